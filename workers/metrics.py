@@ -1,0 +1,198 @@
+"""The attention-health metrics of shared/METRICS.md, one function each.
+
+Every number qkscope stores comes from here, so each function follows the
+contract's definition literally (sections in brackets). All take and return
+tensors, work on any device and in float32/float64, and add nothing of their
+own: smoothing and thresholds are separate, named functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "attention_entropy",
+    "detect_plateaus",
+    "ema",
+    "is_trapped",
+    "normalized_attention_entropy",
+    "plateau_stats",
+    "qk_eigen_stats",
+    "qk_eigen_stats_factored",
+    "qk_matrix",
+    "qk_sym_moments",
+    "rank_collapse_ratio",
+]
+
+
+def _row_entropy(attn: Tensor) -> Tensor:
+    """-sum_j a_ij log a_ij over the last axis, with 0 log 0 = 0."""
+    return -torch.special.xlogy(attn, attn).sum(dim=-1)
+
+
+def attention_entropy(attn: Tensor) -> Tensor:
+    """Per-head mean row entropy of (B, H, T, S) attention, in nats: Tensor[H]. [1]"""
+    return _row_entropy(attn).mean(dim=(0, 2))
+
+
+def normalized_attention_entropy(attn: Tensor, causal: bool = True) -> Tensor:
+    """Per-head mean of row entropy / log(keys the row may attend to): Tensor[H] in [0, 1]. [1]
+
+    Under a causal mask query i sees i + 1 keys (offset by S - T when there
+    are more keys than queries); rows that see a single key are left out.
+    """
+    t, s = attn.shape[-2], attn.shape[-1]
+    if causal:
+        n = torch.arange(t, device=attn.device, dtype=attn.dtype) + 1 + (s - t)
+    else:
+        n = torch.full((t,), float(s), device=attn.device, dtype=attn.dtype)
+    keep = n > 1
+    ratio = _row_entropy(attn)[..., keep] / torch.log(n[keep])  # (B, H, T')
+    return ratio.mean(dim=(0, 2))
+
+
+def _composite_norm(m: Tensor) -> Tensor:
+    """sqrt(||M||_1 * ||M||_inf) for each (T, D) matrix in a batch: Tensor[B]. [2]"""
+    a = m.abs()
+    norm_1 = a.sum(dim=-2).amax(dim=-1)  # largest column abs-sum
+    norm_inf = a.sum(dim=-1).amax(dim=-1)  # largest row abs-sum
+    return torch.sqrt(norm_1 * norm_inf)
+
+
+def rank_collapse_ratio(x: Tensor) -> Tensor:
+    """||res(X_b)||_{1,inf} / ||X_b||_{1,inf} for (B, T, D) tokens: Tensor[B]. [2]
+
+    res subtracts the mean token (as the authors' code does); 0 means every
+    token is the same vector. An all-zero X_b gives 0, not NaN.
+    """
+    res = x - x.mean(dim=-2, keepdim=True)
+    num, den = _composite_norm(res), _composite_norm(x)
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    return torch.where(den > 0, num / safe, torch.zeros_like(den))
+
+
+def qk_matrix(w_q: Tensor, w_k: Tensor) -> Tensor:
+    """The (D, D) bilinear form of one head's logits: w_q^T w_k / sqrt(d_h). [3]"""
+    return w_q.transpose(-2, -1) @ w_k / math.sqrt(w_q.shape[-2])
+
+
+def qk_eigen_stats(w_qk: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean, var) of the QK eigenspectrum from an explicit (D, D) matrix. [3]
+
+    mean = tr(W)/D is exact; var is the variance of the real eigenvalues of
+    the symmetric part W_sym = (W + W^T)/2, which fixes x^T W x.
+    """
+    d = w_qk.shape[-1]
+    mean = torch.diagonal(w_qk, dim1=-2, dim2=-1).sum(-1) / d
+    w_sym = (w_qk + w_qk.transpose(-2, -1)) / 2
+    var = w_sym.square().sum(dim=(-2, -1)) / d - mean.square()
+    return mean, var
+
+
+def qk_sym_moments(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean, ||W_sym||_F^2 / D) from (..., d_h, D) weights without forming W. [3]
+
+    ||W_sym||_F^2 = (||W||_F^2 + tr(W^2)) / 2, where ||W||_F^2 =
+    <w_q w_q^T, w_k w_k^T> / d_h and tr(W^2) = <C, C^T> / d_h with C = w_k w_q^T:
+    everything is a d_h x d_h product, O(d_h^2 D).
+    """
+    d_h, d = w_q.shape[-2], w_q.shape[-1]
+    mean = (w_q * w_k).sum(dim=(-2, -1)) / (math.sqrt(d_h) * d)
+    g_q = w_q @ w_q.transpose(-2, -1)  # (..., d_h, d_h)
+    g_k = w_k @ w_k.transpose(-2, -1)  # (..., d_h, d_h)
+    c = w_k @ w_q.transpose(-2, -1)  # (..., d_h, d_h)
+    fro_sq = (g_q * g_k).sum(dim=(-2, -1)) / d_h
+    tr_sq = (c * c.transpose(-2, -1)).sum(dim=(-2, -1)) / d_h
+    return mean, (fro_sq + tr_sq) / (2 * d)
+
+
+def qk_eigen_stats_factored(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, Tensor]:
+    """`qk_eigen_stats(qk_matrix(w_q, w_k))` for (..., d_h, D) weights, in O(d_h^2 D). [3]"""
+    mean, sym_sq = qk_sym_moments(w_q, w_k)
+    return mean, sym_sq - mean.square()
+
+
+def detect_plateaus(
+    steps: Sequence[int], losses: Sequence[float], window: int, rel_tol: float
+) -> list[tuple[int, int]]:
+    """Merged (start_step, end_step) intervals where the loss stopped falling. [5]
+
+    Point k >= window is flat when losses[k - window] - losses[k] <
+    rel_tol * |losses[k - window]|; a maximal run of flat points k_a..k_b
+    spans (steps[k_a - window], steps[k_b]); overlapping or touching spans merge.
+    """
+    if len(steps) != len(losses):
+        raise ValueError(f"steps ({len(steps)}) and losses ({len(losses)}) differ in length")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    n = len(losses)
+    flat = [
+        k >= window and losses[k - window] - losses[k] < rel_tol * abs(losses[k - window])
+        for k in range(n)
+    ]
+    runs: list[tuple[int, int]] = []
+    k = window
+    while k < n:
+        if not flat[k]:
+            k += 1
+            continue
+        start = k
+        while k + 1 < n and flat[k + 1]:
+            k += 1
+        runs.append((steps[start - window], steps[k]))
+        k += 1
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(runs):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def ema(values: Sequence[float], alpha: float) -> list[float]:
+    """Exponential moving average: s_0 = v_0, s_k = alpha * v_k + (1 - alpha) * s_{k-1}."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    out: list[float] = []
+    for v in values:
+        out.append(v if not out else alpha * v + (1 - alpha) * out[-1])
+    return out
+
+
+def plateau_stats(intervals: Sequence[tuple[int, int]], last_step: int) -> dict[str, int]:
+    """plateau_count / plateau_steps over escaped plateaus, and longest_plateau. [5]
+
+    An interval is escaped when it ends before the last evaluation; the
+    longest plateau counts every interval, escaped or not.
+    """
+    escaped = [(a, b) for a, b in intervals if b < last_step]
+    return {
+        "plateau_count": len(escaped),
+        "plateau_steps": sum(b - a for a, b in escaped),
+        "longest_plateau": max((b - a for a, b in intervals), default=0),
+    }
+
+
+def is_trapped(
+    intervals: Sequence[tuple[int, int]],
+    last_step: int,
+    final_loss: float,
+    reference_loss: float | None,
+    rel_gap: float,
+) -> bool:
+    """Still on a plateau at the end, and more than `rel_gap` above the reference loss. [5]
+
+    The reference is the best loss of the study's completed trials or the
+    task's known optimum. "rel_gap above" is taken relative to
+    max(|reference|, 1 nat), so a known optimum of 0 still gives a usable gap.
+    """
+    if not intervals or intervals[-1][1] != last_step or reference_loss is None:
+        return False
+    if not math.isfinite(final_loss):
+        return True
+    return final_loss - reference_loss > rel_gap * max(abs(reference_loss), 1.0)

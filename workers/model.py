@@ -1,0 +1,272 @@
+"""A small decoder-only transformer whose attention health qkscope studies.
+
+nanoGPT-shaped, with the switches the two papers need: residual connections
+and MLPs on or off (the four variants of Dong et al. 2021), LayerNorm placement,
+QK normalisation baselines (QK-LayerNorm, sigma-reparam of Zhai et al. 2023) and
+the init scale of the query/key projections, the most direct knob on the QK
+eigenspectrum at initialisation (Bao et al. 2024).
+
+`GPT.forward` is the training path (fused `scaled_dot_product_attention`);
+`GPT.probe` recomputes attention explicitly and returns every layer's attention
+probabilities and hidden states for the metrics. No I/O lives here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor, nn
+
+__all__ = ["GPT", "ModelConfig", "ProbeOutput", "SigmaReparamLinear"]
+
+
+class ModelConfig(BaseModel):
+    """Architecture of one trial's model (vocabulary and context come from the task)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_layers: int = Field(2, ge=1, le=64)
+    n_heads: int = Field(2, ge=1, le=64)
+    d_model: int = Field(64, ge=4, le=8192)
+    d_ff: int = Field(256, ge=4, le=32768)
+    norm: Literal["pre", "post", "none"] = "pre"
+    skip: bool = True  # residual connections around attention (and the MLP)
+    mlp: bool = True
+    qk_norm: Literal["none", "layernorm", "sigma_reparam"] = "none"
+    qk_init_std: float = Field(0.02, gt=0.0, le=10.0)
+    attn_temperature: float = Field(1.0, gt=0.0, le=100.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        return self
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class ProbeOutput:
+    """What the metrics need from one probe forward."""
+
+    logits: Tensor  # (B, T, V)
+    attn: list[Tensor]  # per block: (B, H, T, T), rows sum to 1, masked entries exactly 0
+    hidden: list[Tensor]  # L + 1 entries: (B, T, D); 0 is the embedding, l the output of block l
+
+
+class SigmaReparamLinear(nn.Module):
+    """Bias-free linear layer with W_hat = gamma / sigma(W) * W (Zhai et al. 2023).
+
+    sigma is estimated by one power iteration per training forward; gamma is
+    learned and starts at sigma(W), so the layer is unchanged at init.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.gamma = nn.Parameter(torch.ones(()))
+        self.register_buffer("u", F.normalize(torch.randn(out_features), dim=0))
+        self.register_buffer("v", F.normalize(torch.randn(in_features), dim=0))
+
+    @torch.no_grad()
+    def reset_gamma(self) -> None:
+        """Set gamma to the exact spectral norm of the current weight (call after init)."""
+        self.gamma.copy_(torch.linalg.matrix_norm(self.weight.float(), ord=2))
+        for _ in range(20):
+            self._power_iteration()
+
+    @torch.no_grad()
+    def _power_iteration(self) -> None:
+        w = self.weight.float()
+        v = F.normalize(w.t() @ self.u, dim=0)
+        self.u.copy_(F.normalize(w @ v, dim=0))
+        self.v.copy_(v)
+
+    def effective_weight(self) -> Tensor:
+        sigma = self.u @ self.weight @ self.v  # (): differentiable in W, u and v fixed
+        return self.gamma / sigma * self.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self._power_iteration()
+        return F.linear(x, self.effective_weight())
+
+
+def _linear(d_in: int, d_out: int, sigma_reparam: bool) -> nn.Module:
+    return SigmaReparamLinear(d_in, d_out) if sigma_reparam else nn.Linear(d_in, d_out, bias=False)
+
+
+def _weight(layer: nn.Module) -> Tensor:
+    if isinstance(layer, SigmaReparamLinear):
+        return layer.effective_weight()
+    assert isinstance(layer, nn.Linear)
+    return layer.weight
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.d_head = cfg.n_heads, cfg.d_head
+        sigma = cfg.qk_norm == "sigma_reparam"
+        self.q_proj = _linear(cfg.d_model, cfg.d_model, sigma)
+        self.k_proj = _linear(cfg.d_model, cfg.d_model, sigma)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.q_norm: nn.Module = nn.Identity()
+        self.k_norm: nn.Module = nn.Identity()
+        if cfg.qk_norm == "layernorm":
+            self.q_norm, self.k_norm = nn.LayerNorm(cfg.d_head), nn.LayerNorm(cfg.d_head)
+        self.scale = 1.0 / (math.sqrt(cfg.d_head) * cfg.attn_temperature)
+        self.dropout = cfg.dropout
+
+    def qk_weights(self) -> tuple[Tensor, Tensor]:
+        """Effective query and key weights per head: two (H, d_h, D) tensors."""
+        d = self.n_heads * self.d_head
+        w_q = _weight(self.q_proj).view(self.n_heads, self.d_head, d)
+        w_k = _weight(self.k_proj).view(self.n_heads, self.d_head, d)
+        return w_q, w_k
+
+    def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, d = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_h)
+        k = self.k_proj(x).view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_h)
+        v = self.v_proj(x).view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_h)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def _merge(self, y: Tensor) -> Tensor:
+        b, h, t, dh = y.shape
+        return self.out_proj(y.transpose(1, 2).reshape(b, t, h * dh))  # (B, T, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self._heads(x)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=p, scale=self.scale
+        )  # (B, H, T, d_h)
+        return self._merge(y)
+
+    def probe(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Attention computed explicitly: output (B, T, D) and probabilities (B, H, T, T)."""
+        q, k, v = self._heads(x)
+        t = x.shape[1]
+        logits = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, T)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        attn = logits.float().masked_fill(mask, float("-inf")).softmax(dim=-1)  # (B, H, T, T)
+        return self._merge(attn.to(v.dtype) @ v), attn
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))  # (B, T, D)
+
+
+class Block(nn.Module):
+    """One layer: attention then (optionally) an MLP, with the configured norm and skips."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp = MLP(cfg) if cfg.mlp else None
+        use_norm = cfg.norm != "none"
+        self.ln1: nn.Module = nn.LayerNorm(cfg.d_model) if use_norm else nn.Identity()
+        self.ln2: nn.Module = nn.LayerNorm(cfg.d_model) if use_norm else nn.Identity()
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def _residual(self, x: Tensor, out: Tensor, ln: nn.Module) -> Tensor:
+        """Combine a sublayer's input and output: skip or not, post-norm or not."""
+        y = x + out if self.cfg.skip else out
+        return ln(y) if self.cfg.norm == "post" else y
+
+    def _run(self, x: Tensor, probe: bool) -> tuple[Tensor, Tensor | None]:
+        pre = self.cfg.norm == "pre"
+        attn_map: Tensor | None = None
+        a_in = self.ln1(x) if pre else x
+        if probe:
+            a_out, attn_map = self.attn.probe(a_in)
+        else:
+            a_out = self.attn(a_in)
+        x = self._residual(x, self.drop(a_out), self.ln1)
+        if self.mlp is not None:
+            m_out = self.mlp(self.ln2(x) if pre else x)
+            x = self._residual(x, m_out, self.ln2)
+        return x, attn_map
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._run(x, probe=False)[0]
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, seq_len: int) -> None:
+        super().__init__()
+        self.cfg, self.vocab_size, self.seq_len = cfg, vocab_size, seq_len
+        self.tok_emb = nn.Embedding(vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f: nn.Module = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+        self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # weight tying, as in nanoGPT
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding | SigmaReparamLinear):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            for proj in (block.attn.q_proj, block.attn.k_proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=self.cfg.qk_init_std)
+                if isinstance(proj, SigmaReparamLinear):
+                    proj.reset_gamma()
+
+    def qk_weights(self) -> list[tuple[Tensor, Tensor]]:
+        """Per layer, the effective (H, d_h, D) query and key weights."""
+        return [block.attn.qk_weights() for block in self.blocks]  # type: ignore[union-attr]
+
+    def _embed(self, idx: Tensor) -> Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, D)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits (B, T, V) and, with targets (-100 = ignored), the mean cross-entropy."""
+        x = self._embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.shape[-1]), targets.view(-1), ignore_index=-100
+            )
+        return logits, loss
+
+    @torch.no_grad()
+    def probe(self, idx: Tensor) -> ProbeOutput:
+        """Forward with explicit attention; returns attention maps and hidden states."""
+        x = self._embed(idx)
+        hidden, attn = [x], []
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            x, a = block._run(x, probe=True)
+            assert a is not None
+            hidden.append(x)
+            attn.append(a)
+        return ProbeOutput(logits=self.head(self.ln_f(x)), attn=attn, hidden=hidden)

@@ -1,0 +1,50 @@
+"""Eigenspectrum regularizers of shared/METRICS.md section 4.
+
+Both are computed from a head's query/key weights without forming the D x D
+QK matrix, so they are cheap enough to add to every training step. They
+are differentiable and work on any device and float dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from workers.metrics import qk_sym_moments
+
+__all__ = ["RegularizerKind", "locater_penalty", "model_penalty", "spectral_variance_penalty"]
+
+RegularizerKind = Literal["none", "spectral_variance", "locater"]
+
+
+def spectral_variance_penalty(w_q: Tensor, w_k: Tensor) -> Tensor:
+    """Variance of the QK eigenspectrum (symmetric part) of a head: the `var` of section 3."""
+    mean, sym_sq = qk_sym_moments(w_q, w_k)
+    return sym_sq - mean.square()
+
+
+def locater_penalty(w_q: Tensor, w_k: Tensor, target_mean: float) -> Tensor:
+    """LocAteR-style: ||W_sym||_F^2 / D + (mean - target_mean)^2.
+
+    Shrinks the scale of the eigenspectrum while holding its mean at
+    `target_mean`, in the spirit of Bao et al.'s LocAteR (not its exact
+    published form).
+    """
+    mean, sym_sq = qk_sym_moments(w_q, w_k)
+    return sym_sq + (mean - target_mean).square()
+
+
+def model_penalty(
+    qk_weights: Sequence[tuple[Tensor, Tensor]], kind: RegularizerKind, target_mean: float = 0.0
+) -> Tensor:
+    """Mean penalty over every (layer, head); inputs are per-layer (H, d_h, D) weights."""
+    if kind == "none":
+        raise ValueError("model_penalty called with kind='none'")
+    w_q = torch.stack([q for q, _ in qk_weights])  # (L, H, d_h, D)
+    w_k = torch.stack([k for _, k in qk_weights])  # (L, H, d_h, D)
+    if kind == "spectral_variance":
+        return spectral_variance_penalty(w_q, w_k).mean()
+    return locater_penalty(w_q, w_k, target_mean).mean()

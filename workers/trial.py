@@ -1,0 +1,470 @@
+"""One trial: train a small transformer with an eigenspectrum regularizer and probe it.
+
+`run_trial(config, reporter)` is what a Ray worker runs. Every `eval_every`
+steps it measures validation loss and, on a fixed probe batch, every metric of
+shared/METRICS.md per layer and head; hands them to the reporter (which may
+answer "stop": that is how pruning works); and writes a checkpoint that a
+rerun of the same config resumes from with the same result. A NaN/inf loss
+ends the trial as `diverged`, with the metrics measured so far.
+
+Run one from a shell: `python -m workers.trial CONFIG.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from workers import metrics as M
+from workers.model import GPT, ModelConfig
+from workers.regularizers import RegularizerKind, model_penalty
+from workers.tasks import Task, TaskConfig, build_task
+
+__all__ = [
+    "CheckpointConfig",
+    "MetricPoint",
+    "NullReporter",
+    "OptimConfig",
+    "RegularizerConfig",
+    "Reporter",
+    "TrialConfig",
+    "TrialSummary",
+    "run_trial",
+]
+
+
+class RegularizerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    kind: RegularizerKind = "none"
+    lam: float = Field(0.0, ge=0.0, le=1e6, alias="lambda")
+    target_mean: float = Field(0.0, ge=-1e3, le=1e3)
+
+
+class OptimConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "cosine"
+    grad_clip: float | None = Field(1.0, gt=0.0)
+
+
+class CheckpointConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str | None = None  # where checkpoints go; None = no checkpoints
+    every_evals: int = Field(1, ge=1)
+
+
+class TrialConfig(BaseModel):
+    """Everything that determines one trial; same config + seed on CPU = same loss curve."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    regularizer: RegularizerConfig = Field(default_factory=RegularizerConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    batch_size: int = Field(32, ge=1, le=4096)
+    steps: int = Field(300, ge=1, le=10_000_000)
+    eval_every: int = Field(50, ge=1)
+    eval_batches: int = Field(4, ge=1, le=1000)
+    probe_batch_size: int = Field(8, ge=1, le=256)
+    seed: int = Field(0, ge=0, lt=2**31)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    entropy_collapse_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    rank_collapse_threshold: float = Field(0.05, ge=0.0, le=1.0)
+    plateau_window: int = Field(3, ge=1)
+    plateau_rel_tol: float = Field(0.01, ge=0.0, le=1.0)
+    trapped_rel_gap: float = Field(0.1, ge=0.0)
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> TrialConfig:
+        if self.optim.warmup_steps > self.steps:
+            raise ValueError(
+                f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds steps ({self.steps})"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class MetricPoint:
+    """One measured number: layer/head are None where they do not apply."""
+
+    name: str
+    value: float
+    layer: int | None = None
+    head: int | None = None
+
+
+class Reporter(Protocol):
+    """Receives each evaluation; returning True asks the trial to stop (pruning)."""
+
+    def report(self, step: int, metrics: list[MetricPoint]) -> bool: ...
+
+
+class NullReporter:
+    def report(self, step: int, metrics: list[MetricPoint]) -> bool:
+        return False
+
+
+TrialStatus = Literal["completed", "pruned", "diverged"]
+
+
+class TrialSummary(BaseModel):
+    """What one trial ended with. Non-finite numbers are stored as None."""
+
+    status: TrialStatus
+    steps_done: int
+    final_train_loss: float | None = None
+    final_val_loss: float | None = None
+    best_val_loss: float | None = None
+    min_norm_entropy: float | None = None  # at the final evaluation, over layers and heads
+    min_norm_entropy_ever: float | None = None  # over every evaluation
+    final_rank_ratio: float | None = None  # last layer, final evaluation, batch mean
+    qk_eig_var: float | None = None  # mean over layers and heads, final evaluation
+    qk_eig_mean: float | None = None
+    entropy_collapse: bool = False
+    rank_collapse: bool = False
+    plateaus: list[tuple[int, int]] = Field(default_factory=list)
+    plateau_count: int = 0
+    plateau_steps: int = 0
+    longest_plateau: int = 0
+    trapped: bool = False
+    diverged_at_step: int | None = None
+    eval_steps: list[int] = Field(default_factory=list)
+    val_losses: list[float | None] = Field(default_factory=list)
+    wall_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    device: str = "cpu"
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def resolve_device(config: TrialConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda requested but CUDA is not available on this node")
+    return torch.device(config.device)
+
+
+def _autocast(config: TrialConfig, device: torch.device) -> AbstractContextManager[Any]:
+    use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda")
+    if use_bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _lr_lambda(config: TrialConfig) -> Callable[[int], float]:
+    warmup, total, schedule = config.optim.warmup_steps, config.steps, config.optim.schedule
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _optimizer(config: TrialConfig, model: GPT) -> torch.optim.Optimizer:
+    o = config.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2)
+    )
+
+
+def _penalty(model: GPT, reg: RegularizerConfig) -> Tensor:
+    return model_penalty(model.qk_weights(), reg.kind, reg.target_mean)
+
+
+def build_model(config: TrialConfig, task: Task) -> GPT:
+    """The trial's model, initialised from the trial seed."""
+    torch.manual_seed(config.seed)
+    return GPT(config.model, vocab_size=task.vocab_size, seq_len=task.seq_len)
+
+
+@torch.no_grad()
+def probe_metrics(model: GPT, probe_x: Tensor) -> list[MetricPoint]:
+    """Every METRICS.md quantity per layer (1..L; 0 = embeddings for rank) and head."""
+    was_training = model.training
+    model.eval()
+    out = model.probe(probe_x)
+    points: list[MetricPoint] = []
+    for layer, attn in enumerate(out.attn, start=1):
+        ent = M.attention_entropy(attn).tolist()
+        norm_ent = M.normalized_attention_entropy(attn, causal=True).tolist()
+        for h, (e, ne) in enumerate(zip(ent, norm_ent, strict=True)):
+            points.append(MetricPoint("attn_entropy", e, layer, h))
+            points.append(MetricPoint("attn_entropy_norm", ne, layer, h))
+    for layer, hidden in enumerate(out.hidden):
+        ratio = M.rank_collapse_ratio(hidden.float()).mean().item()
+        points.append(MetricPoint("rank_ratio", ratio, layer))
+    for layer, (w_q, w_k) in enumerate(model.qk_weights(), start=1):
+        mean, var = M.qk_eigen_stats_factored(w_q.float(), w_k.float())
+        for h, (m, v) in enumerate(zip(mean.tolist(), var.tolist(), strict=True)):
+            points.append(MetricPoint("qk_eig_mean", m, layer, h))
+            points.append(MetricPoint("qk_eig_var", v, layer, h))
+    model.train(was_training)
+    return points
+
+
+@torch.no_grad()
+def _val_loss(model: GPT, batches: list[tuple[Tensor, Tensor]], ctx: Any, dev: torch.device) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with ctx:
+            _, loss = model(x.to(dev), y.to(dev))
+        assert loss is not None
+        total += float(loss)
+    model.train(was_training)
+    return total / len(batches)
+
+
+@dataclass
+class _History:
+    """The per-evaluation numbers the summary is made from (kept in the checkpoint)."""
+
+    steps: list[int]
+    val_losses: list[float]
+    train_losses: list[float]
+    min_norm_entropies: list[float]
+    last_points: list[MetricPoint]
+
+    @classmethod
+    def empty(cls) -> _History:
+        return cls([], [], [], [], [])
+
+
+def _checkpoint_path(config: TrialConfig) -> Path | None:
+    return Path(config.checkpoint.dir) / "checkpoint.pt" if config.checkpoint.dir else None
+
+
+def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Atomic write: a crash mid-save leaves the previous checkpoint intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _summarize(
+    config: TrialConfig,
+    task: Task,
+    hist: _History,
+    status: TrialStatus,
+    steps_done: int,
+    diverged_at: int | None,
+    elapsed: float,
+    device: torch.device,
+) -> TrialSummary:
+    s = TrialSummary(status=status, steps_done=steps_done, diverged_at_step=diverged_at)
+    s.wall_time_s = elapsed
+    s.tokens_per_s = steps_done * config.batch_size * task.seq_len / max(elapsed, 1e-9)
+    s.device = str(device)
+    s.eval_steps = list(hist.steps)
+    s.val_losses = [_finite(v) for v in hist.val_losses]
+    if not hist.steps:
+        return s
+    finite_vals = [v for v in hist.val_losses if math.isfinite(v)]
+    s.final_train_loss = _finite(hist.train_losses[-1])
+    s.final_val_loss = _finite(hist.val_losses[-1])
+    s.best_val_loss = min(finite_vals) if finite_vals else None
+    by_name: dict[str, list[MetricPoint]] = {}
+    for p in hist.last_points:
+        by_name.setdefault(p.name, []).append(p)
+    norm_ent = [p.value for p in by_name.get("attn_entropy_norm", [])]
+    if norm_ent:
+        s.min_norm_entropy = _finite(min(norm_ent))
+        s.min_norm_entropy_ever = _finite(min(hist.min_norm_entropies))
+    ranks = sorted(by_name.get("rank_ratio", []), key=lambda p: p.layer or 0)
+    if ranks:
+        s.final_rank_ratio = _finite(ranks[-1].value)
+    for name, attr in (("qk_eig_var", "qk_eig_var"), ("qk_eig_mean", "qk_eig_mean")):
+        vals = [p.value for p in by_name.get(name, [])]
+        if vals:
+            setattr(s, attr, _finite(sum(vals) / len(vals)))
+    s.entropy_collapse = (
+        s.min_norm_entropy is not None and s.min_norm_entropy < config.entropy_collapse_threshold
+    )
+    s.rank_collapse = (
+        s.final_rank_ratio is not None and s.final_rank_ratio < config.rank_collapse_threshold
+    )
+    if len(finite_vals) == len(hist.val_losses):
+        s.plateaus = M.detect_plateaus(
+            hist.steps, hist.val_losses, config.plateau_window, config.plateau_rel_tol
+        )
+        stats = M.plateau_stats(s.plateaus, hist.steps[-1])
+        s.plateau_count = stats["plateau_count"]
+        s.plateau_steps = stats["plateau_steps"]
+        s.longest_plateau = stats["longest_plateau"]
+        s.trapped = M.is_trapped(
+            s.plateaus,
+            hist.steps[-1],
+            hist.val_losses[-1],
+            task.known_optimum,
+            config.trapped_rel_gap,
+        )
+    return s
+
+
+def run_trial(
+    config: TrialConfig,
+    reporter: Reporter | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> TrialSummary:
+    """Train, probe every `eval_every` steps, report, checkpoint; return the summary."""
+    reporter = reporter or NullReporter()
+    device = resolve_device(config)
+    ctx = _autocast(config, device)
+    task = build_task(config.task, config.seed)
+    model = build_model(config, task).to(device)
+    optimizer = _optimizer(config, model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    data_gen = torch.Generator().manual_seed(config.seed)
+    probe_x, _ = task.train_batch(
+        config.probe_batch_size, torch.Generator().manual_seed(config.seed + 7919)
+    )
+    probe_x = probe_x.to(device)
+    val_batches = task.valid_batches(config.batch_size)[: config.eval_batches]
+    reg = config.regularizer
+    hist, start_step, n_evals = _History.empty(), 0, 0
+
+    ckpt = _checkpoint_path(config)
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        data_gen.set_state(state["data_gen"])
+        torch.set_rng_state(state["torch_rng"])
+        hist, start_step, n_evals = state["history"], state["step"], state["n_evals"]
+
+    model.train()
+    status: TrialStatus = "completed"
+    diverged_at: int | None = None
+    step = start_step
+    t0 = time.perf_counter()
+    while step < config.steps:
+        x, y = task.train_batch(config.batch_size, data_gen)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with ctx:
+            _, loss = model(x, y)
+            assert loss is not None
+            penalty = _penalty(model, reg) if reg.kind != "none" and reg.lam != 0.0 else None
+        total = loss if penalty is None else loss + reg.lam * penalty.float()
+        train_loss = float(loss.detach())
+        if not math.isfinite(train_loss) or not math.isfinite(float(total.detach())):
+            status, diverged_at = "diverged", step + 1
+            break
+        optimizer.zero_grad(set_to_none=True)
+        total.backward()  # type: ignore[no-untyped-call]
+        clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        if progress is not None:
+            progress(step)
+        if step % config.eval_every != 0 and step != config.steps:
+            continue
+
+        val = _val_loss(model, val_batches, ctx, device)
+        points = [
+            MetricPoint("train_loss", train_loss),
+            MetricPoint("val_loss", val),
+            MetricPoint("grad_norm", grad_norm),
+            MetricPoint("lr", scheduler.get_last_lr()[0]),
+        ]
+        if penalty is not None:
+            points.append(MetricPoint("reg_penalty", float(penalty.detach())))
+        points += probe_metrics(model, probe_x)
+        hist.steps.append(step)
+        hist.val_losses.append(val)
+        hist.train_losses.append(train_loss)
+        hist.min_norm_entropies.append(
+            min((p.value for p in points if p.name == "attn_entropy_norm"), default=math.nan)
+        )
+        hist.last_points = points
+        n_evals += 1
+        stop = reporter.report(step, points)
+        if not math.isfinite(val):
+            status, diverged_at = "diverged", step
+            break
+        if ckpt is not None and n_evals % config.checkpoint.every_evals == 0:
+            _save_checkpoint(
+                ckpt,
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "data_gen": data_gen.get_state(),
+                    "torch_rng": torch.get_rng_state(),
+                    "history": hist,
+                    "step": step,
+                    "n_evals": n_evals,
+                },
+            )
+        if stop:
+            status = "pruned"
+            break
+
+    elapsed = time.perf_counter() - t0
+    return _summarize(
+        config, task, hist, status, step - start_step, diverged_at, elapsed, device
+    ).model_copy(update={"steps_done": step})
+
+
+def load_config(path: str | Path) -> TrialConfig:
+    """A TrialConfig from a YAML or JSON file."""
+    import yaml
+
+    return TrialConfig.model_validate(yaml.safe_load(Path(path).read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m workers.trial CONFIG.yaml`: one trial with a progress bar, summary as JSON."""
+    from tqdm import tqdm
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m workers.trial CONFIG.yaml", file=sys.stderr)
+        return 2
+    config = load_config(args[0])
+    with tqdm(total=config.steps, unit="step", file=sys.stderr) as bar:
+        summary = run_trial(config, progress=lambda s: bar.update(s - bar.n))
+    print(json.dumps(summary.model_dump(mode="json"), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
