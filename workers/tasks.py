@@ -80,25 +80,38 @@ class TaskConfig(pydantic.BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["lm", "associative_recall", "sort", "copy"] = "associative_recall"
-    seq_len: int = Field(64, ge=4, le=4096, description="Tokens per example fed to the model.")
+    seq_len: int = Field(
+        default=64, ge=4, le=4096, description="Tokens per example fed to the model."
+    )
     # lm
     data_dir: str | None = Field(
-        None, description="Directory with <train_split>.txt and <valid_split>.txt (lm only)."
+        default=None,
+        description="Directory with <train_split>.txt and <valid_split>.txt (lm only).",
     )
-    train_split: str = Field("train", description="File stem of the training split.")
-    valid_split: str = Field("valid", description="File stem of the validation split.")
+    train_split: str = Field(default="train", description="File stem of the training split.")
+    valid_split: str = Field(default="valid", description="File stem of the validation split.")
     tokenizer: Literal["word", "char"] = "word"
     vocab_cap: int = Field(
-        10000, ge=16, le=1_000_000, description="Most frequent tokens kept; rest map to <unk>."
+        default=10000,
+        ge=16,
+        le=1_000_000,
+        description="Most frequent tokens kept; rest map to <unk>.",
     )
     max_train_tokens: int | None = Field(
-        None, ge=1000, description="Optional truncation of the training split (fast tests)."
+        default=None, ge=1000, description="Optional truncation of the training split (fast tests)."
     )
     # synthetic
-    n_symbols: int = Field(16, ge=2, le=4096, description="Alphabet size of synthetic tasks.")
-    n_pairs: int = Field(8, ge=1, le=512, description="associative_recall: pairs per example.")
+    n_symbols: int = Field(
+        default=16, ge=2, le=4096, description="Alphabet size of synthetic tasks."
+    )
+    n_pairs: int = Field(
+        default=8, ge=1, le=512, description="associative_recall: pairs per example."
+    )
     n_valid: int = Field(
-        256, ge=8, le=100_000, description="Synthetic validation examples (fixed, from seed)."
+        default=256,
+        ge=8,
+        le=100_000,
+        description="Synthetic validation examples (fixed, from seed).",
     )
 
     @pydantic.model_validator(mode="after")
@@ -145,7 +158,10 @@ class Task(Protocol):
         ...
 
     def valid_batches(self, batch_size: int) -> list[tuple[Tensor, Tensor]]:
-        """Return the fixed validation set as ``(x, y)`` batches (same on every call)."""
+        """Return the fixed validation set as ``(x, y)`` batches (same on every call).
+
+        The tensors may be shared between calls, so callers must treat them as read-only.
+        """
         ...
 
 
@@ -336,7 +352,9 @@ class LMTask:
             n_windows = (self.valid_ids.numel() - 1) // self.seq_len
             n_windows = min(n_windows, MAX_VALID_BATCHES * batch_size)
             starts = torch.arange(n_windows, dtype=torch.int64) * self.seq_len
-            cached = [self._windows(self.valid_ids, chunk) for chunk in starts.split(batch_size)]
+            cached = [
+                self._windows(self.valid_ids, chunk) for chunk in torch.split(starts, batch_size)
+            ]
             self._valid_cache[batch_size] = cached
         return list(cached)
 
@@ -388,7 +406,9 @@ class _SyntheticTask:
             x, y = self._valid
             cached = [
                 (xb.contiguous(), yb.contiguous())
-                for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True)
+                for xb, yb in zip(
+                    torch.split(x, batch_size), torch.split(y, batch_size), strict=True
+                )
             ]
             self._valid_cache[batch_size] = cached
         return list(cached)
