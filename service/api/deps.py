@@ -1,0 +1,69 @@
+"""Typed dependencies: settings, one database session per request, auth."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.config import Settings
+from service.ray_cluster import JobLauncher
+
+__all__ = ["LauncherDep", "SessionDep", "SettingsDep", "require_token", "token_digest"]
+
+
+def token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def get_settings_dep(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """One session per request: committed if the handler returns, rolled back if it raises."""
+    factory: sessionmaker[Session] = request.app.state.sessions
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def get_launcher(request: Request) -> JobLauncher | None:
+    launcher: JobLauncher | None = request.app.state.launcher()
+    return launcher
+
+
+def require_token(request: Request) -> None:
+    """Bearer-token check; a no-op when no tokens are configured."""
+    digests: list[bytes] = request.app.state.token_digests
+    if not digests:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "missing bearer token: send 'Authorization: Bearer <token>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    given = token_digest(token.strip())
+    if not any(hmac.compare_digest(given, d) for d in digests):
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED, "invalid token", headers={"WWW-Authenticate": "Bearer"}
+        )
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+SessionDep = Annotated[Session, Depends(get_session)]
+LauncherDep = Annotated[JobLauncher | None, Depends(get_launcher)]

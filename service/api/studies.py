@@ -1,0 +1,206 @@
+"""/v1/studies: submit, list, inspect, cancel; a study's trials, summary and best trials."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Annotated, Any
+
+import yaml
+from fastapi import APIRouter, Header, Query, Request, Response, status
+from pydantic import ValidationError
+from sqlalchemy import func, select
+
+from service.api.deps import LauncherDep, SessionDep, SettingsDep
+from service.api.errors import ApiError, validation_errors
+from service.api.schemas import FieldError, Page, StudyOut, TrialOut
+from service.db import queries
+from service.db.models import Study, Trial, TrialState
+from service.spec import SpecError, StudySpec, check_limits, parse_spec
+from service.studies import cancel_study, create_study, launch_study
+
+__all__ = ["router"]
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1", tags=["studies"])
+
+SPEC_EXAMPLE = """name: demo
+base:
+  task: {kind: associative_recall, seq_len: 32, n_pairs: 4}
+  steps: 200
+search_space:
+  regularizer.lambda: {type: float, low: 0.0001, high: 1.0, log: true}
+budget: {n_trials: 8}
+"""
+
+
+def _get_study(session: SessionDep, study_id: int) -> Study:
+    row = session.get(Study, study_id)
+    if row is None:
+        raise ApiError(404, "not_found", f"study {study_id} does not exist")
+    return row
+
+
+async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise ApiError(413, "payload_too_large", f"study definition exceeds {max_bytes} bytes")
+    ctype = request.headers.get("content-type", "application/json").lower()
+    if not any(k in ctype for k in ("json", "yaml", "yml", "text/plain")):
+        raise ApiError(415, "unsupported_media_type",
+                       f"send application/json or application/yaml, not {ctype!r}")  # fmt: skip
+    try:
+        return parse_spec(body, ctype)
+    except SpecError as e:
+        raise ApiError(422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]) from None
+    except ValidationError as e:
+        errors = validation_errors(e)
+        msg = "; ".join(f"{x.field}: {x.message}" for x in errors)
+        raise ApiError(422, "validation_error", msg, errors) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ApiError(400, "parse_error", f"body is not valid JSON/YAML: {str(e)[:300]}",
+                       [FieldError(field="body", message="parse error")]) from None  # fmt: skip
+
+
+@router.post(
+    "/studies",
+    status_code=status.HTTP_201_CREATED,
+    response_model=StudyOut,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/StudySpec"}},
+                "application/yaml": {"schema": {"type": "string"}, "example": SPEC_EXAMPLE},
+            },
+        }
+    },
+    responses={422: {"description": "invalid study definition"}},
+)
+async def submit_study(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    launcher: LauncherDep,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> StudyOut:
+    """Validate a study definition (JSON or YAML), store it, and start its Ray job."""
+    spec = await _read_spec(request, settings.max_body_bytes)
+    limit_errors = check_limits(
+        spec, max_trials=settings.max_trials, max_steps=settings.max_steps,
+        max_params=settings.max_params,
+    )  # fmt: skip
+    if limit_errors:
+        errors = [FieldError(field=e.field, message=e.message) for e in limit_errors]
+        raise ApiError(422, "limit_exceeded", "; ".join(str(e) for e in limit_errors), errors)
+    sessions = request.app.state.sessions
+    row, created = create_study(sessions, spec, idempotency_key)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+        return StudyOut.of(row)
+    if launcher is not None:
+        try:
+            launch_study(sessions, launcher, settings, row.id)
+        except Exception as e:  # the reconciler retries PENDING studies
+            log.warning("study %d stays PENDING: submit failed: %s", row.id, e)
+    return StudyOut.of(_get_study(session, row.id))
+
+
+@router.get("/studies", response_model=Page[StudyOut])
+def list_studies(
+    session: SessionDep,
+    status_: Annotated[str | None, Query(alias="status", max_length=16)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> Page[StudyOut]:
+    q = select(Study)
+    if status_:
+        q = q.where(Study.status == status_.upper())
+    total = session.scalar(select(func.count()).select_from(q.subquery())) or 0
+    rows = session.scalars(q.order_by(Study.id.desc()).limit(limit).offset(offset)).all()
+    return Page[StudyOut](items=[StudyOut.of(r) for r in rows], total=total, limit=limit, offset=offset)
+
+
+@router.get("/studies/{study_id}", response_model=StudyOut)
+def get_study(session: SessionDep, study_id: int) -> StudyOut:
+    return StudyOut.of(_get_study(session, study_id))
+
+
+@router.post("/studies/{study_id}/cancel", response_model=StudyOut)
+def cancel(request: Request, session: SessionDep, launcher: LauncherDep, study_id: int) -> StudyOut:
+    """Stop the study's Ray job and its trials; finished studies are left as they are."""
+    _get_study(session, study_id)
+    session.close()
+    row = cancel_study(request.app.state.sessions, launcher, study_id)
+    assert row is not None
+    return StudyOut.of(row)
+
+
+def _check_param_filter(study: Study, field: str) -> None:
+    name = field.removeprefix("params.")
+    space = study.spec.get("search_space", {})
+    if name not in space:
+        raise ApiError(422, "validation_error", f"{field}: not a parameter of this study",
+                       [FieldError(field="where", message=f"{name!r} is not in the search space")])
+    if space[name].get("type") not in ("float", "int"):
+        raise ApiError(422, "validation_error", f"{field}: only numeric parameters can be compared",
+                       [FieldError(field="where", message=f"{name!r} is categorical")])  # fmt: skip
+
+
+@router.get("/studies/{study_id}/trials", response_model=Page[TrialOut])
+def list_trials(
+    session: SessionDep,
+    study_id: int,
+    state: Annotated[list[TrialState] | None, Query()] = None,
+    where: Annotated[list[str] | None, Query(max_length=20)] = None,
+    sort: Annotated[str, Query(max_length=100)] = "number",
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> Page[TrialOut]:
+    """Filter (`state=`, `where=min_norm_entropy>=0.1`, `where=params.regularizer.lambda<0.1`),
+    sort (`sort=-final_val_loss`, `sort=params.model.qk_init_std`) and page a study's trials."""
+    study = _get_study(session, study_id)
+    try:
+        filters = [queries.parse_filter(w) for w in where or []]
+        for f in filters:
+            if f.field.startswith("params."):
+                _check_param_filter(study, f.field)
+        if sort.lstrip("-+").startswith("params."):
+            _check_param_filter(study, sort.lstrip("-+"))
+        rows, total = queries.list_trials(
+            session, study_id, states=[s.value for s in state or []], filters=filters,
+            sort=sort, limit=limit, offset=offset,
+        )  # fmt: skip
+    except queries.QueryError as e:
+        raise ApiError(422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]) from None
+    return Page[TrialOut](items=[TrialOut.of(r) for r in rows], total=total, limit=limit, offset=offset)
+
+
+@router.get("/studies/{study_id}/summary")
+def summary(session: SessionDep, study_id: int) -> dict[str, Any]:
+    """Counts by state, collapse rates, best value, progress and ETA."""
+    return queries.study_summary(session, _get_study(session, study_id))
+
+
+@router.get("/studies/{study_id}/best", response_model=list[TrialOut])
+def best_trials(session: SessionDep, study_id: int, feasible_only: bool = True) -> list[TrialOut]:
+    """The best trial (one objective) or the Pareto front (several), among COMPLETE trials."""
+    study = _get_study(session, study_id)
+    directions = [o["direction"] for o in study.spec["objectives"]]
+    q = select(Trial).where(Trial.study_id == study_id, Trial.state == TrialState.COMPLETE)
+    if feasible_only:
+        q = q.where(Trial.feasible.is_not(False))
+    rows = [r for r in session.scalars(q).all() if r.values and None not in r.values]
+    sign = [1.0 if d == "minimize" else -1.0 for d in directions]
+    keys = {r.id: [s * float(v) for s, v in zip(sign, r.values or [], strict=True)] for r in rows}
+
+    def dominated(a: list[float]) -> bool:
+        return any(all(x <= y for x, y in zip(keys[o.id], a, strict=True)) and keys[o.id] != a
+                   for o in rows)  # fmt: skip
+
+    front = [r for r in rows if not dominated(keys[r.id])]
+    front.sort(key=lambda r: keys[r.id])
+    return [TrialOut.of(r, with_summary=True) for r in front]

@@ -1,0 +1,53 @@
+"""/v1/trials: one trial, and its per-step metrics."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from service.api.deps import SessionDep
+from service.api.errors import ApiError
+from service.api.schemas import MetricOut, TrialOut
+from service.db import queries
+from service.db.models import Trial
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["trials"])
+
+
+def _get_trial(session: SessionDep, trial_id: int) -> Trial:
+    row = session.get(Trial, trial_id)
+    if row is None:
+        raise ApiError(404, "not_found", f"trial {trial_id} does not exist")
+    return row
+
+
+@router.get("/trials/{trial_id}", response_model=TrialOut)
+def get_trial(session: SessionDep, trial_id: int) -> TrialOut:
+    return TrialOut.of(_get_trial(session, trial_id), with_summary=True)
+
+
+@router.get("/trials/{trial_id}/metrics", response_model=list[MetricOut])
+def get_metrics(
+    session: SessionDep,
+    trial_id: int,
+    name: Annotated[list[str] | None, Query(max_length=50)] = None,
+    layer: Annotated[int | None, Query(ge=0)] = None,
+    head: Annotated[int | None, Query(ge=0)] = None,
+    step_min: Annotated[int | None, Query(ge=0)] = None,
+    step_max: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
+) -> list[MetricOut]:
+    """Metric rows ordered by (name, layer, head, step); layer/head null where not applicable."""
+    _get_trial(session, trial_id)
+    rows = queries.metric_series(
+        session, trial_id, names=name, layer=layer, head=head,
+        step_min=step_min, step_max=step_max, limit=limit,
+    )  # fmt: skip
+    return [
+        MetricOut(name=r.name, layer=queries.index_or_none(r.layer),
+                  head=queries.index_or_none(r.head), step=r.step, value=r.value)  # fmt: skip
+        for r in rows
+    ]

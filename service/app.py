@@ -1,0 +1,108 @@
+"""The FastAPI app factory. Engines and the Ray client are made in `lifespan`, not at import."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from service.api import studies, trials
+from service.api.deps import require_token, token_digest
+from service.api.errors import install_error_handlers
+from service.config import Settings, get_settings
+from service.db import migrate
+from service.db.session import make_engine, make_sessionmaker
+from service.ray_cluster import JobLauncher
+from service.spec import StudySpec
+from service.studies import reconcile
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("qkscope.app")
+
+
+class LauncherSlot:
+    """Connects to Ray's job server on first use; retries at most every few seconds."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._launcher: JobLauncher | None = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> JobLauncher | None:
+        if not self.address:
+            return None
+        with self._lock:
+            if self._launcher is None and time.monotonic() >= self._next_try:
+                try:
+                    self._launcher = JobLauncher(self.address)
+                except Exception as e:
+                    log.warning("Ray job server at %s unreachable: %s", self.address, e)
+                    self._next_try = time.monotonic() + 5.0
+            return self._launcher
+
+
+def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True) -> FastAPI:
+    settings = settings or get_settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = settings.resolved_database_url()
+        await run_in_threadpool(migrate.upgrade, url)
+        engine = make_engine(url)
+        app.state.settings = settings
+        app.state.sessions = make_sessionmaker(engine)
+        app.state.token_digests = [token_digest(t) for t in settings.token_list()]
+        app.state.launcher = LauncherSlot(settings.ray_address)
+        task = asyncio.create_task(_reconcile_forever(app)) if reconcile_loop else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            engine.dispose()
+
+    app = FastAPI(
+        title="qkscope",
+        version="0.1.0",
+        summary="Which training settings keep a transformer's attention healthy?",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    auth = [Depends(require_token)]
+    app.include_router(studies.router, dependencies=auth)
+    app.include_router(trials.router, dependencies=auth)
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/spec-schema", tags=["studies"], dependencies=auth)
+    def spec_schema() -> dict[str, Any]:
+        """JSON Schema of a study definition."""
+        return StudySpec.model_json_schema(by_alias=True)
+
+    return app
+
+
+async def _reconcile_forever(app: FastAPI) -> None:
+    """Launch PENDING studies and relaunch RUNNING ones whose Ray job died."""
+    settings: Settings = app.state.settings
+    while True:
+        launcher = await run_in_threadpool(app.state.launcher)
+        if launcher is not None:
+            try:
+                await run_in_threadpool(reconcile, app.state.sessions, launcher, settings)
+            except Exception:
+                log.exception("reconcile failed")
+        await asyncio.sleep(settings.reconcile_interval_s)

@@ -1,0 +1,54 @@
+"""The one place qkscope reads its settings from (environment, prefix QKSCOPE_)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "get_settings"]
+
+HOME = Path(".qkscope")
+
+
+class Settings(BaseSettings):
+    """Service, runner and CLI settings.
+
+    The defaults are the embedded setup: an SQLite file under `.qkscope/`
+    and a local Ray head started by `qkscope serve`.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="QKSCOPE_", extra="ignore")
+
+    database_url: str = ""  # empty: sqlite file under home
+    ray_address: str = ""  # dashboard URL, e.g. http://127.0.0.1:8265; empty: local head
+    api_tokens: SecretStr = SecretStr("")  # comma-separated bearer tokens
+    data_dir: str = ""  # root for relative task.data_dir paths in study specs
+    home: Path = HOME
+    checkpoint_dir: str = ""  # shared storage for trial checkpoints; empty: home/checkpoints
+    api_url: str = "http://127.0.0.1:8000"  # where the CLI finds the API
+    reconcile_interval_s: float = Field(10.0, gt=0.0)
+    max_body_bytes: int = Field(256 * 1024, gt=0)
+    max_trials: int = Field(10_000, ge=1)
+    max_steps: int = Field(1_000_000, ge=1)
+    max_params: int = Field(200_000_000, ge=1)  # model size limit per trial
+
+    def resolved_database_url(self) -> str:
+        """The database URL; the embedded default is an absolute SQLite path."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.home / 'qkscope.db').resolve()}"
+
+    def resolved_checkpoint_dir(self) -> str:
+        return self.checkpoint_dir or str((self.home / "checkpoints").resolve())
+
+    def token_list(self) -> list[str]:
+        raw = self.api_tokens.get_secret_value()
+        return [t.strip() for t in raw.split(",") if t.strip()]
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

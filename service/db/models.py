@@ -1,0 +1,132 @@
+"""SQLAlchemy 2 typed models: studies, trials and per-step metrics.
+
+Tables carry the `qk_` prefix so they never collide with the tables Optuna's
+RDBStorage keeps in the same database.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = ["Base", "Metric", "Study", "StudyStatus", "Trial", "TrialState", "utcnow"]
+
+NO_INDEX = -1  # layer/head value for metrics that have none (keeps the primary key total)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class StudyStatus(enum.StrEnum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+class TrialState(enum.StrEnum):
+    RUNNING = "RUNNING"
+    COMPLETE = "COMPLETE"
+    PRUNED = "PRUNED"
+    DIVERGED = "DIVERGED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Study(Base):
+    __tablename__ = "qk_study"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default=StudyStatus.PENDING, index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    n_trials: Mapped[int] = mapped_column(Integer)
+    optuna_study_name: Mapped[str] = mapped_column(String(64))
+    ray_job_id: Mapped[str | None] = mapped_column(String(128), default=None)
+    job_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None, unique=True)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class Trial(Base):
+    __tablename__ = "qk_trial"
+    __table_args__ = (
+        UniqueConstraint("study_id", "number"),
+        Index("ix_qk_trial_study_state", "study_id", "state"),
+        Index("ix_qk_trial_study_value", "study_id", "value"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("qk_study.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default=TrialState.RUNNING)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    seed: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=1)
+    node: Mapped[str | None] = mapped_column(String(200), default=None)
+    value: Mapped[float | None] = mapped_column(Float, default=None)
+    values: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    feasible: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    last_step: Mapped[int] = mapped_column(Integer, default=0)
+    # Summary numbers copied into columns so the results API can filter and sort on them.
+    final_val_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    min_norm_entropy: Mapped[float | None] = mapped_column(Float, default=None)
+    final_rank_ratio: Mapped[float | None] = mapped_column(Float, default=None)
+    qk_eig_var: Mapped[float | None] = mapped_column(Float, default=None)
+    plateau_steps: Mapped[int | None] = mapped_column(Integer, default=None)
+    entropy_collapse: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    rank_collapse: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    trapped: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    duration_s: Mapped[float | None] = mapped_column(Float, default=None)
+
+
+class Metric(Base):
+    """One number of one evaluation; the primary key makes a replayed report a no-op."""
+
+    __tablename__ = "qk_metric"
+
+    trial_id: Mapped[int] = mapped_column(
+        ForeignKey("qk_trial.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    layer: Mapped[int] = mapped_column(Integer, primary_key=True, default=NO_INDEX)
+    head: Mapped[int] = mapped_column(Integer, primary_key=True, default=NO_INDEX)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[float | None] = mapped_column(Float, default=None)

@@ -1,0 +1,152 @@
+"""The one place qkscope talks to Ray's control plane.
+
+`LocalRayHead` starts and stops the embedded single-node cluster used by
+`qkscope serve` (token auth on, dashboard on loopback). `JobLauncher` submits,
+stops and lists study jobs through Ray's Job Submission API. Nothing here is
+imported on the API's request path until a study is submitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["JobLauncher", "LocalRayHead", "job_id_for", "ray_token"]
+
+log = logging.getLogger(__name__)
+
+
+def job_id_for(study_id: int, attempt: int) -> str:
+    """Ray job submission id: the dashboard's Jobs page shows which study it is."""
+    base = f"qkscope-study-{study_id}"
+    return base if attempt <= 1 else f"{base}-r{attempt}"
+
+
+def ray_token(home: Path) -> str:
+    """RAY_AUTH_TOKEN from the environment, else a token kept in home (mode 0600)."""
+    if tok := os.environ.get("RAY_AUTH_TOKEN"):
+        return tok
+    path = home / "ray_auth_token"
+    if path.exists():
+        return path.read_text().strip()
+    home.mkdir(parents=True, exist_ok=True)
+    tok = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(tok)
+    return tok
+
+
+@dataclass
+class LocalRayHead:
+    """A single-node Ray cluster in a child process (`ray start --head --block`)."""
+
+    home: Path
+    gcs_port: int = 6390  # not 6379: that is Redis's port on most machines
+    dashboard_port: int = 8265
+    num_cpus: int | None = None
+    _proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start(self, timeout_s: float = 120.0) -> str:
+        """Start the head with token auth; returns the dashboard URL once jobs are accepted."""
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = ray_token(self.home)
+        env = dict(os.environ)
+        # The job entrypoint runs `python -m service.runner`: make that this interpreter.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        ray_bin = shutil.which("ray", path=env["PATH"]) or "ray"
+        cmd = [
+            ray_bin, "start", "--head", "--block",
+            f"--port={self.gcs_port}",
+            "--node-ip-address=127.0.0.1",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            "--include-dashboard=true",
+            "--disable-usage-stats",
+        ]  # fmt: skip
+        if self.num_cpus is not None:
+            cmd.append(f"--num-cpus={self.num_cpus}")
+        logdir = self.home / "logs"
+        logdir.mkdir(parents=True, exist_ok=True)
+        cwd = self.home / "ray-cwd"
+        cwd.mkdir(parents=True, exist_ok=True)
+        with open(logdir / "ray-head.log", "ab") as out:
+            self._proc = subprocess.Popen(
+                cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"ray head exited early; see {logdir / 'ray-head.log'}")
+            try:
+                JobLauncher(self.dashboard_url).list_jobs()
+                return self.dashboard_url
+            except Exception:
+                time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"ray head not ready after {timeout_s}s")
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        proc, self._proc = self._proc, None
+        proc.terminate()  # --block tears the whole node down on SIGTERM
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+class JobLauncher:
+    """Ray Job Submission API for study jobs (the Ray token comes from the environment)."""
+
+    def __init__(self, address: str) -> None:
+        from ray.job_submission import JobSubmissionClient
+
+        self.address = address
+        self._client = JobSubmissionClient(address)
+
+    def submit_study(self, study_id: int, attempt: int, env: dict[str, str]) -> str:
+        job_id = job_id_for(study_id, attempt)
+        self._client.submit_job(
+            entrypoint=f"python -m service.runner {study_id}",
+            submission_id=job_id,
+            runtime_env={"env_vars": env},
+            metadata={"qkscope_study": str(study_id), "attempt": str(attempt)},
+            entrypoint_num_cpus=0,
+        )
+        return job_id
+
+    def stop(self, job_id: str) -> bool:
+        try:
+            return bool(self._client.stop_job(job_id))
+        except Exception as e:  # an unknown or finished job is not an error for cancel
+            log.warning("stop_job(%s): %s", job_id, e)
+            return False
+
+    def status(self, job_id: str) -> str | None:
+        """Ray's JobStatus name, or None when Ray does not know the job."""
+        try:
+            return str(self._client.get_job_status(job_id).value)
+        except Exception:
+            return None
+
+    def list_jobs(self) -> list[Any]:
+        return list(self._client.list_jobs())
+
+    def logs(self, job_id: str) -> str:
+        return str(self._client.get_job_logs(job_id))

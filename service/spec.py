@@ -1,0 +1,298 @@
+"""StudySpec: what a user POSTs to start a study (JSON or YAML).
+
+A spec is a base trial config, a search space over dotted fields of that
+config, a sampler/pruner, a budget and the objectives and constraints that
+define a *stable* setting. Validation happens here, completely, before
+anything is written: every error carries the dotted path of the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from workers.trial import TrialConfig, TrialSummary
+
+__all__ = [
+    "SUMMARY_METRICS",
+    "Constraint",
+    "Objective",
+    "SpecError",
+    "StudySpec",
+    "apply_params",
+    "parse_spec",
+]
+
+# Numeric TrialSummary fields a study may optimise or constrain.
+SUMMARY_METRICS: tuple[str, ...] = (
+    "final_val_loss",
+    "best_val_loss",
+    "final_train_loss",
+    "min_norm_entropy",
+    "min_norm_entropy_ever",
+    "final_rank_ratio",
+    "qk_eig_var",
+    "qk_eig_mean",
+    "plateau_count",
+    "plateau_steps",
+    "longest_plateau",
+)
+SummaryMetric = Literal[
+    "final_val_loss",
+    "best_val_loss",
+    "final_train_loss",
+    "min_norm_entropy",
+    "min_norm_entropy_ever",
+    "final_rank_ratio",
+    "qk_eig_var",
+    "qk_eig_mean",
+    "plateau_count",
+    "plateau_steps",
+    "longest_plateau",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FloatParam(_Strict):
+    type: Literal["float"]
+    low: float
+    high: float
+    log: bool = False
+    grid: list[float] | None = Field(None, min_length=1, max_length=1000)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> FloatParam:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0, got {self.low}")
+        return self
+
+
+class IntParam(_Strict):
+    type: Literal["int"]
+    low: int
+    high: int
+    log: bool = False
+    step: int = Field(1, ge=1)
+    grid: list[int] | None = Field(None, min_length=1, max_length=1000)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> IntParam:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0, got {self.low}")
+        return self
+
+
+Scalar = str | int | float | bool
+
+
+class CategoricalParam(_Strict):
+    type: Literal["categorical"]
+    choices: list[Scalar] = Field(min_length=1, max_length=1000)
+
+
+class FixedParam(_Strict):
+    type: Literal["fixed"]
+    value: Scalar
+
+
+Param = Annotated[FloatParam | IntParam | CategoricalParam | FixedParam, Field(discriminator="type")]
+
+
+class SamplerSpec(_Strict):
+    kind: Literal["random", "grid", "tpe", "cmaes", "gp", "nsga2"] = "tpe"
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    n_startup_trials: int = Field(4, ge=0, le=10_000)
+
+
+class PrunerSpec(_Strict):
+    kind: Literal["none", "median", "percentile", "hyperband"] = "none"
+    n_startup_trials: int = Field(2, ge=0, le=10_000)
+    n_warmup_steps: int = Field(0, ge=0)
+    percentile: float = Field(25.0, gt=0.0, lt=100.0)
+
+
+class Budget(_Strict):
+    n_trials: int = Field(ge=1)
+    timeout_s: float | None = Field(None, gt=0.0)
+
+
+class Objective(_Strict):
+    metric: SummaryMetric = "final_val_loss"
+    direction: Literal["minimize", "maximize"] = "minimize"
+
+
+class Constraint(_Strict):
+    """`metric op value`; value may be given as a fraction of the trial's steps."""
+
+    metric: SummaryMetric
+    op: Literal[">=", "<="]
+    value: float | None = None
+    fraction_of_steps: float | None = Field(None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _one_value(self) -> Constraint:
+        if (self.value is None) == (self.fraction_of_steps is None):
+            raise ValueError("give exactly one of value or fraction_of_steps")
+        return self
+
+    def violation(self, summary: dict[str, Any], steps: int) -> float:
+        """Optuna's convention: <= 0 is feasible; a missing metric is infeasible."""
+        bound = self.value if self.value is not None else (self.fraction_of_steps or 0.0) * steps
+        x = summary.get(self.metric)
+        if x is None:
+            return 1e9
+        return float(bound - x) if self.op == ">=" else float(x - bound)
+
+
+class Resources(_Strict):
+    cpus: float = Field(1.0, gt=0.0, le=256.0)
+    gpus: float = Field(0.0, ge=0.0, le=16.0)
+
+
+class SpecError(ValueError):
+    """A spec problem, with the dotted field it concerns."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+class StudySpec(_Strict):
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.\-]*$")
+    description: str = Field("", max_length=10_000)
+    base: TrialConfig = Field(default_factory=TrialConfig)
+    search_space: dict[str, Param] = Field(default_factory=dict, max_length=64)
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    budget: Budget
+    parallelism: int = Field(1, ge=1, le=256)
+    objectives: list[Objective] = Field(
+        default_factory=lambda: [Objective()], min_length=1, max_length=4
+    )
+    constraints: list[Constraint] = Field(default_factory=list, max_length=32)
+    resources: Resources = Field(default_factory=Resources)
+    max_retries: int = Field(2, ge=0, le=10)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StudySpec:
+        if len(self.objectives) > 1 and self.pruner.kind != "none":
+            raise ValueError("pruning needs a single objective: set pruner.kind to none")
+        if self.sampler.kind == "grid":
+            for path, p in self.search_space.items():
+                if isinstance(p, FloatParam | IntParam) and p.grid is None:
+                    raise ValueError(f"grid sampler: search_space.{path} needs a 'grid' list")
+        for path, param in self.search_space.items():
+            for value in _extremes(param):
+                try:
+                    apply_params(self.base, {path: value})
+                except SpecError as e:
+                    raise ValueError(f"search_space.{path}: {e.message}") from None
+        return self
+
+    def directions(self) -> list[str]:
+        return [o.direction for o in self.objectives]
+
+    def content_hash(self) -> str:
+        blob = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _extremes(param: Param) -> list[Scalar]:
+    if isinstance(param, FloatParam | IntParam):
+        return [param.low, param.high, *(param.grid or [])]
+    if isinstance(param, CategoricalParam):
+        return list(param.choices)
+    return [param.value]
+
+
+def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
+    """The base config with dotted fields replaced; raises SpecError naming a bad field."""
+    data = base.model_dump(mode="json", by_alias=True)
+    for path, value in params.items():
+        node = data
+        keys = path.split(".")
+        for key in keys[:-1]:
+            child = node.get(key) if isinstance(node, dict) else None
+            if not isinstance(child, dict):
+                raise SpecError(path, f"'{key}' is not a section of the trial config")
+            node = child
+        if keys[-1] not in node:
+            raise SpecError(path, f"'{keys[-1]}' is not a field of the trial config")
+        node[keys[-1]] = value
+    try:
+        return TrialConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise SpecError(".".join(str(x) for x in err["loc"]) or "base", err["msg"]) from None
+
+
+def _count_params(config: TrialConfig, vocab: int) -> int:
+    m = config.model
+    per_layer = 4 * m.d_model * m.d_model + (2 * m.d_model * m.d_ff if m.mlp else 0)
+    return m.n_layers * per_layer + vocab * m.d_model + config.task.seq_len * m.d_model
+
+
+def check_limits(
+    spec: StudySpec, *, max_trials: int, max_steps: int, max_params: int
+) -> list[SpecError]:
+    """Deployment limits that depend on settings rather than on the spec alone."""
+    errors: list[SpecError] = []
+    if spec.budget.n_trials > max_trials:
+        errors.append(SpecError("budget.n_trials", f"{spec.budget.n_trials} > limit {max_trials}"))
+    worst = dict.fromkeys(("steps",), spec.base.steps)
+    for path, p in spec.search_space.items():
+        values = _extremes(p)
+        if path == "steps":
+            worst["steps"] = max(int(v) for v in values)
+    if worst["steps"] > max_steps:
+        errors.append(SpecError("base.steps", f"{worst['steps']} > limit {max_steps}"))
+    largest = {
+        path: max(_extremes(p), key=lambda v: float(v) if not isinstance(v, str) else 0)
+        for path, p in spec.search_space.items()
+        if path in ("model.d_model", "model.d_ff", "model.n_layers", "task.seq_len")
+    }
+    try:
+        big = apply_params(spec.base, largest)
+    except SpecError:
+        big = spec.base
+    vocab = big.task.vocab_cap + 2 if big.task.kind == "lm" else 4 * big.task.n_symbols + 4
+    n = _count_params(big, vocab)
+    if n > max_params:
+        errors.append(SpecError("base.model", f"about {n:,} parameters > limit {max_params:,}"))
+    return errors
+
+
+def parse_spec(body: bytes, content_type: str) -> StudySpec:
+    """Parse JSON or YAML (safe loader, no aliases expansion bombs) into a StudySpec."""
+    text = body.decode("utf-8")
+    data: Any
+    if "json" in content_type:
+        data = json.loads(text)
+    else:
+        loader = yaml.SafeLoader(text)
+        try:
+            if any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)):
+                raise SpecError("body", "YAML aliases are not accepted")
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
+    if not isinstance(data, dict):
+        raise SpecError("body", "a study definition must be a mapping")
+    return StudySpec.model_validate(data)
+
+
+def summary_value(summary: TrialSummary | dict[str, Any], metric: str) -> float | None:
+    data = summary.model_dump() if isinstance(summary, TrialSummary) else summary
+    v = data.get(metric)
+    return None if v is None else float(v)

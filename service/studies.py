@@ -1,0 +1,193 @@
+"""Study lifecycle shared by the API, the CLI and the runner: create, launch, cancel.
+
+Side effects follow the database: a study row is committed PENDING first and
+only then is its Ray job submitted, so a failed submission leaves a PENDING
+study for the reconciler to launch later, never a job without a row.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optuna
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.config import Settings
+from service.db.models import Study, StudyStatus, Trial, TrialState, utcnow
+from service.db.session import session_scope
+from service.ray_cluster import JobLauncher
+from service.spec import StudySpec
+
+__all__ = [
+    "cancel_study",
+    "create_study",
+    "launch_study",
+    "make_pruner",
+    "make_sampler",
+    "optuna_study_name",
+    "reconcile",
+]
+
+log = logging.getLogger(__name__)
+
+ConstraintsFunc = Callable[[optuna.trial.FrozenTrial], Sequence[float]]
+
+
+def optuna_study_name(study_id: int) -> str:
+    return f"qkscope-{study_id}"
+
+
+def make_sampler(spec: StudySpec, constraints: ConstraintsFunc) -> optuna.samplers.BaseSampler:
+    s = spec.sampler
+    cf = constraints if spec.constraints else None
+    if s.kind == "random":
+        return optuna.samplers.RandomSampler(seed=s.seed)
+    if s.kind == "grid":
+        grid: dict[str, Any] = {}
+        for path, p in spec.search_space.items():
+            if p.type == "categorical":
+                grid[path] = p.choices
+            elif p.type in ("float", "int"):
+                grid[path] = p.grid
+        return optuna.samplers.GridSampler(grid, seed=s.seed)
+    if s.kind == "tpe":
+        return optuna.samplers.TPESampler(
+            seed=s.seed, n_startup_trials=s.n_startup_trials, constraints_func=cf
+        )
+    if s.kind == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=s.seed, n_startup_trials=s.n_startup_trials)
+    if s.kind == "gp":
+        return optuna.samplers.GPSampler(
+            seed=s.seed, n_startup_trials=s.n_startup_trials, constraints_func=cf
+        )
+    return optuna.samplers.NSGAIISampler(seed=s.seed, constraints_func=cf)
+
+
+def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
+    p = spec.pruner
+    if p.kind == "median":
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=p.n_startup_trials, n_warmup_steps=p.n_warmup_steps
+        )
+    if p.kind == "percentile":
+        return optuna.pruners.PercentilePruner(
+            p.percentile, n_startup_trials=p.n_startup_trials, n_warmup_steps=p.n_warmup_steps
+        )
+    if p.kind == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=max(1, spec.base.eval_every))
+    return optuna.pruners.NopPruner()
+
+
+def create_study(
+    sessions: sessionmaker[Session], spec: StudySpec, idempotency_key: str | None = None
+) -> tuple[Study, bool]:
+    """Insert a PENDING study (or return the one with the same idempotency key)."""
+    with session_scope(sessions) as s:
+        if idempotency_key:
+            existing = s.scalars(
+                select(Study).where(Study.idempotency_key == idempotency_key)
+            ).one_or_none()
+            if existing is not None:
+                return existing, False
+        row = Study(
+            name=spec.name,
+            status=StudyStatus.PENDING,
+            spec=spec.model_dump(mode="json", by_alias=True),
+            n_trials=spec.budget.n_trials,
+            optuna_study_name="",
+            idempotency_key=idempotency_key,
+        )
+        s.add(row)
+        s.flush()
+        row.optuna_study_name = optuna_study_name(row.id)
+        return row, True
+
+
+def runner_env(settings: Settings) -> dict[str, str]:
+    """What the study's Ray job needs to find the database, data and checkpoints."""
+    env = {
+        "QKSCOPE_DATABASE_URL": settings.resolved_database_url(),
+        "QKSCOPE_CHECKPOINT_DIR": settings.resolved_checkpoint_dir(),
+    }
+    if settings.data_dir:
+        env["QKSCOPE_DATA_DIR"] = settings.data_dir
+    return env
+
+
+def launch_study(
+    sessions: sessionmaker[Session], launcher: JobLauncher, settings: Settings, study_id: int
+) -> str:
+    """Submit the study's Ray job (a new attempt id each time) and record it."""
+    with session_scope(sessions) as s:
+        row = s.get(Study, study_id)
+        assert row is not None
+        row.job_attempts += 1
+        attempt = row.job_attempts
+    job_id = launcher.submit_study(study_id, attempt, runner_env(settings))
+    with session_scope(sessions) as s:
+        row = s.get(Study, study_id)
+        assert row is not None
+        row.ray_job_id = job_id
+    return job_id
+
+
+def cancel_study(
+    sessions: sessionmaker[Session], launcher: JobLauncher | None, study_id: int
+) -> Study | None:
+    """Mark the study CANCELLED, stop its Ray job, and mark its running trials cancelled."""
+    with session_scope(sessions) as s:
+        row = s.get(Study, study_id)
+        if row is None:
+            return None
+        if row.status in (StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED):
+            return row
+        row.status, row.finished_at = StudyStatus.CANCELLED, utcnow()
+        job_id = row.ray_job_id
+    if launcher is not None and job_id:
+        launcher.stop(job_id)
+    with session_scope(sessions) as s:
+        s.execute(
+            update(Trial)
+            .where(Trial.study_id == study_id, Trial.state == TrialState.RUNNING)
+            .values(state=TrialState.CANCELLED, finished_at=utcnow(), error="study cancelled")
+        )
+        row = s.get(Study, study_id)
+    return row
+
+
+def reconcile(
+    sessions: sessionmaker[Session], launcher: JobLauncher, settings: Settings, grace_s: float = 15.0
+) -> int:
+    """Launch PENDING studies and relaunch RUNNING ones whose Ray job is gone or dead.
+
+    Returns how many jobs were submitted. Called periodically by the service.
+    """
+    with session_scope(sessions) as s:
+        rows = s.execute(
+            select(Study.id, Study.status, Study.ray_job_id, Study.created_at).where(
+                Study.status.in_([StudyStatus.PENDING, StudyStatus.RUNNING])
+            )
+        ).all()
+    submitted = 0
+    now = utcnow()
+    for study_id, status, job_id, created_at in rows:
+        created = created_at if created_at.tzinfo else created_at.replace(tzinfo=UTC)
+        if job_id is None and (now - created).total_seconds() < grace_s:
+            continue  # the POST that created it is still submitting its job
+        job_status = launcher.status(job_id) if job_id else None
+        alive = job_status in ("PENDING", "RUNNING")
+        if alive:
+            continue
+        if status == StudyStatus.RUNNING and job_status == "SUCCEEDED":
+            continue  # finished between our read and Ray's answer; the row will say so
+        log.info("study %s: job %s is %s; submitting", study_id, job_id, job_status)
+        try:
+            launch_study(sessions, launcher, settings, study_id)
+            submitted += 1
+        except Exception as e:  # Ray unreachable: try again next round
+            log.warning("study %s: submit failed: %s", study_id, e)
+    return submitted

@@ -1,0 +1,241 @@
+"""Tests for workers.model: shapes, the explicit probe path, init knobs and the variants."""
+
+from __future__ import annotations
+
+import itertools
+
+import pydantic
+import pytest
+import torch
+from torch import Tensor, nn
+
+from workers.model import GPT, ModelConfig, SigmaReparamLinear
+
+VOCAB, SEQ = 24, 12
+
+
+def _model(seed: int = 0, vocab: int = VOCAB, seq: int = SEQ, **kw: object) -> GPT:
+    torch.manual_seed(seed)
+    cfg = ModelConfig.model_validate({"n_layers": 2, "n_heads": 4, "d_model": 32, "d_ff": 64, **kw})
+    return GPT(cfg, vocab_size=vocab, seq_len=seq)
+
+
+def _idx(b: int = 3, t: int = SEQ, vocab: int = VOCAB, seed: int = 1) -> Tensor:
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_forward_and_probe_shapes() -> None:
+    m = _model(n_layers=3, n_heads=4, d_model=32).eval()
+    idx = _idx(b=5, t=SEQ)
+    logits, loss = m(idx)
+    assert logits.shape == (5, SEQ, VOCAB)
+    assert loss is None
+    out = m.probe(idx)
+    assert out.logits.shape == (5, SEQ, VOCAB)
+    assert len(out.attn) == 3
+    assert all(a.shape == (5, 4, SEQ, SEQ) for a in out.attn)
+    assert len(out.hidden) == 4
+    assert all(h.shape == (5, SEQ, 32) for h in out.hidden)
+
+
+def test_forward_shorter_sequence_and_loss() -> None:
+    m = _model().eval()
+    idx = _idx(b=2, t=5)
+    targets = idx.clone()
+    targets[:, :2] = -100
+    logits, loss = m(idx, targets)
+    assert logits.shape == (2, 5, VOCAB)
+    assert loss is not None and loss.ndim == 0 and torch.isfinite(loss)
+    assert m.probe(idx).attn[0].shape == (2, 4, 5, 5)
+
+
+@pytest.mark.parametrize("qk_init_std", [0.02, 1.0])
+def test_probe_attention_rows_sum_to_one_and_mask_is_exact_zero(qk_init_std: float) -> None:
+    m = _model(n_layers=2, qk_init_std=qk_init_std).eval()
+    out = m.probe(_idx(b=4))
+    upper = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
+    for a in out.attn:
+        assert torch.allclose(a.sum(-1), torch.ones(a.shape[:-1]), atol=1e-6)
+        assert (a >= 0).all()
+        assert (a[..., upper] == 0).all()  # exactly zero, not merely tiny
+        if qk_init_std <= 0.02:  # (sharp attention may underflow to 0 on allowed keys)
+            assert (a[..., ~upper] > 0).all()
+
+
+@pytest.mark.parametrize(
+    ("norm", "skip", "mlp", "qk_norm"),
+    list(
+        itertools.product(
+            ["pre", "post", "none"], [True, False], [True, False], ["none", "layernorm", "sigma_reparam"]
+        )
+    ),
+)
+def test_probe_logits_match_fused_forward(norm: str, skip: bool, mlp: bool, qk_norm: str) -> None:
+    m = _model(
+        n_layers=3, norm=norm, skip=skip, mlp=mlp, qk_norm=qk_norm, qk_init_std=0.3
+    ).eval()
+    idx = _idx(b=3)
+    logits, _ = m(idx)
+    out = m.probe(idx)
+    scale = logits.abs().max().clamp_min(1e-12)
+    torch.testing.assert_close(out.logits / scale, logits / scale, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits, logits, atol=1e-5, rtol=1e-4)
+
+
+def test_hidden_states_start_at_embedding_and_follow_blocks() -> None:
+    m = _model(n_layers=3).eval()
+    idx = _idx(b=2)
+    out = m.probe(idx)
+    assert len(out.hidden) == m.cfg.n_layers + 1
+    emb = m.tok_emb(idx) + m.pos_emb(torch.arange(SEQ))
+    torch.testing.assert_close(out.hidden[0], emb, atol=0, rtol=0)
+    with torch.no_grad():
+        x = emb
+        for layer, block in enumerate(m.blocks, start=1):
+            x = block(x)
+            torch.testing.assert_close(out.hidden[layer], x, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "sigma_reparam"])
+@pytest.mark.parametrize("std", [0.02, 0.1, 0.5])
+def test_qk_init_std_sets_query_key_weight_std(qk_norm: str, std: float) -> None:
+    m = _model(n_layers=2, d_model=64, qk_init_std=std, qk_norm=qk_norm)
+    for block in m.blocks:
+        for proj in (block.attn.q_proj, block.attn.k_proj):
+            measured = proj.weight.detach().std().item()  # 4096 samples: ~1% sampling error
+            assert measured == pytest.approx(std, rel=0.05)
+        # the value projection keeps the default GPT-2 std
+        assert block.attn.v_proj.weight.detach().std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def _sigma_reparam_rel_errors(std: float) -> list[float]:
+    """|spectral_norm(W_hat) / gamma - 1| at init, over 3 seeds x 2 layers x {q, k}."""
+    errors = []
+    for seed in (0, 1, 2):
+        m = _model(seed=seed, n_layers=2, d_model=64, qk_norm="sigma_reparam", qk_init_std=std)
+        for block in m.blocks:
+            for proj in (block.attn.q_proj, block.attn.k_proj):
+                assert isinstance(proj, SigmaReparamLinear)
+                exact = torch.linalg.matrix_norm(proj.weight.detach(), ord=2)
+                # gamma starts at the exact spectral norm of W
+                torch.testing.assert_close(proj.gamma.detach(), exact, rtol=1e-5, atol=0)
+                spec = torch.linalg.matrix_norm(proj.effective_weight().detach(), ord=2)
+                errors.append(abs(spec.item() / proj.gamma.item() - 1.0))
+    return errors
+
+
+@pytest.mark.parametrize("std", [0.02, 0.3])
+def test_sigma_reparam_effective_spectral_norm_is_gamma_at_init(std: float) -> None:
+    # sigma(W) in W_hat = gamma / sigma * W is a 20-step power-iteration estimate: on these
+    # 64x64 Gaussian weights it is up to 4.2% below the exact norm (measured; 5.1% worst over
+    # 200 seeds), so ||W_hat||_2 is only approximately gamma. See the strict test below.
+    errors = _sigma_reparam_rel_errors(std)
+    assert max(errors) < 6e-2
+    assert sorted(errors)[len(errors) // 2] < 1e-2  # typically much closer
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="SigmaReparamLinear.reset_gamma leaves u, v after 20 power iterations, so "
+    "sigma(W) underestimates ||W||_2 by up to ~5% and W_hat != W at init",
+)
+def test_sigma_reparam_effective_spectral_norm_is_gamma_at_init_exactly() -> None:
+    assert max(_sigma_reparam_rel_errors(0.3)) < 1e-4
+
+
+def test_sigma_reparam_gamma_is_trainable() -> None:
+    m = _model(n_layers=1, qk_norm="sigma_reparam", qk_init_std=0.2)
+    names = dict(m.named_parameters())
+    for proj_name in ("q_proj", "k_proj"):
+        gamma = names[f"blocks.0.attn.{proj_name}.gamma"]
+        assert isinstance(gamma, nn.Parameter) and gamma.requires_grad
+    m.train()
+    idx = _idx(b=2)
+    _, loss = m(idx, idx)
+    assert loss is not None
+    loss.backward()  # type: ignore[no-untyped-call]
+    block = m.blocks[0]
+    for proj in (block.attn.q_proj, block.attn.k_proj):
+        assert proj.gamma.grad is not None
+        assert torch.isfinite(proj.gamma.grad) and proj.gamma.grad.abs().item() > 0
+    # gamma alone sets the scale of the effective weight: doubling it doubles ||W_hat||_2
+    proj = block.attn.q_proj
+    before = torch.linalg.matrix_norm(proj.effective_weight().detach(), ord=2)
+    with torch.no_grad():
+        proj.gamma.mul_(2.0)
+    after = torch.linalg.matrix_norm(proj.effective_weight().detach(), ord=2)
+    assert after.item() == pytest.approx(2.0 * before.item(), rel=1e-5)
+
+
+def test_qk_layernorm_modules_present() -> None:
+    m = _model(n_layers=1, qk_norm="layernorm")
+    attn = m.blocks[0].attn
+    assert isinstance(attn.q_norm, nn.LayerNorm) and isinstance(attn.k_norm, nn.LayerNorm)
+    assert attn.q_norm.normalized_shape == (m.cfg.d_head,)
+    plain = _model(n_layers=1).blocks[0].attn
+    assert isinstance(plain.q_norm, nn.Identity)
+
+
+@pytest.mark.parametrize(
+    ("skip", "mlp"),
+    [(False, False), (False, True), (True, False), (True, True)],
+    ids=["pure-attention", "attention+mlp", "attention+skip", "full"],
+)
+def test_dong_variants_are_expressible(skip: bool, mlp: bool) -> None:
+    """The four architectures of Dong et al. (2021): block output follows the variant's formula."""
+    m = _model(n_layers=2, norm="none", skip=skip, mlp=mlp, qk_init_std=0.3).eval()
+    for block in m.blocks:
+        assert (block.mlp is not None) == mlp
+    idx = _idx(b=2)
+    out = m.probe(idx)
+    with torch.no_grad():
+        for layer, block in enumerate(m.blocks):
+            x = out.hidden[layer]
+            a = block.attn(x)
+            y = x + a if skip else a
+            if mlp:
+                assert block.mlp is not None
+                y = y + block.mlp(y) if skip else block.mlp(y)
+            torch.testing.assert_close(out.hidden[layer + 1], y, atol=1e-6, rtol=1e-5)
+    logits, _ = m(idx)
+    assert torch.isfinite(logits).all()
+
+
+def test_pure_attention_has_no_mlp_parameters() -> None:
+    pure = _model(norm="none", skip=False, mlp=False)
+    full = _model(norm="none", skip=True, mlp=True)
+    assert not any(".mlp." in n for n, _ in pure.named_parameters())
+    assert any(".mlp." in n for n, _ in full.named_parameters())
+    assert not any("ln" in n for n, _ in pure.named_parameters())
+
+
+def test_weight_tying() -> None:
+    m = _model()
+    assert m.head.weight is m.tok_emb.weight
+
+
+def test_qk_weights_shapes() -> None:
+    m = _model(n_layers=3, n_heads=4, d_model=32)
+    qk = m.qk_weights()
+    assert len(qk) == 3
+    for w_q, w_k in qk:
+        assert w_q.shape == (4, 8, 32) and w_k.shape == (4, 8, 32)
+    # per-head rows are the rows of the projection weight
+    w_q, _ = qk[0]
+    torch.testing.assert_close(w_q.reshape(32, 32), m.blocks[0].attn.q_proj.weight)
+
+
+@pytest.mark.parametrize(("d_model", "n_heads"), [(30, 4), (64, 3), (10, 20)])
+def test_config_rejects_width_not_divisible_by_heads(d_model: int, n_heads: int) -> None:
+    with pytest.raises(pydantic.ValidationError, match="divisible"):
+        ModelConfig(d_model=d_model, n_heads=n_heads)
+
+
+def test_config_rejects_unknown_fields_and_bad_values() -> None:
+    with pytest.raises(pydantic.ValidationError):
+        ModelConfig.model_validate({"n_layer": 2})
+    with pytest.raises(pydantic.ValidationError):
+        ModelConfig(qk_init_std=0.0)
+    with pytest.raises(pydantic.ValidationError):
+        ModelConfig.model_validate({"norm": "sandwich"})
+    assert ModelConfig(d_model=64, n_heads=8).d_head == 8

@@ -1,0 +1,264 @@
+"""Tests for workers.regularizers against shared/METRICS.md section 4.
+
+Penalties are compared with explicit computations from the D x D matrix W = w_q^T w_k / sqrt(d_h)
+(built here by a loop) and its eigendecomposition, and their gradients are checked with
+torch.autograd.gradcheck in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers.regularizers import locater_penalty, model_penalty, spectral_variance_penalty
+
+DTYPES = [torch.float32, torch.float64]
+SHAPES = [(1, 1), (1, 4), (3, 5), (8, 4), (4, 16)]  # (d_h, D), including d_h > D
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _explicit_w(w_q: torch.Tensor, w_k: torch.Tensor) -> torch.Tensor:
+    d_h, d = w_q.shape
+    w = torch.zeros(d, d, dtype=torch.float64)
+    for r in range(d_h):
+        w = w + torch.outer(w_q[r].to(torch.float64), w_k[r].to(torch.float64))
+    return w / math.sqrt(d_h)
+
+
+def _explicit_var(w_q: torch.Tensor, w_k: torch.Tensor) -> float:
+    w = _explicit_w(w_q, w_k)
+    ev = torch.linalg.eigvalsh((w + w.T) / 2)
+    return float(((ev - ev.mean()) ** 2).mean().item())
+
+
+def _explicit_locater(w_q: torch.Tensor, w_k: torch.Tensor, target: float) -> float:
+    w = _explicit_w(w_q, w_k)
+    d = w.shape[0]
+    sym = (w + w.T) / 2
+    fro_sq = sum(sym[i, j].item() ** 2 for i in range(d) for j in range(d))
+    mean = torch.linalg.eigvals(w).real.mean().item()  # = tr(W) / D
+    return float(fro_sq / d + (mean - target) ** 2)
+
+
+def _pair(
+    shape: tuple[int, ...], dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _gen(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype), torch.randn(
+        *shape, generator=g, dtype=dtype
+    )
+
+
+# --------------------------------------------------------------------------- hand values
+
+
+def test_penalties_hand_values() -> None:
+    # d_h = 1, D = 2, w_q = [1, 0], w_k = [1, 2]: W = [[1, 2], [0, 0]].
+    # mean = tr / D = 0.5. W_sym = [[1, 1], [1, 0]], ||W_sym||_F^2 = 3 -> / D = 1.5.
+    # var = 1.5 - 0.25 = 1.25 (eigenvalues (1 +- sqrt 5)/2: variance 5/4).
+    w_q = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    w_k = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    assert spectral_variance_penalty(w_q, w_k).item() == pytest.approx(1.25, rel=1e-12)
+    # locater with target 0: 1.5 + 0.25 = 1.75; with target 2: 1.5 + 2.25 = 3.75
+    assert locater_penalty(w_q, w_k, 0.0).item() == pytest.approx(1.75, rel=1e-12)
+    assert locater_penalty(w_q, w_k, 2.0).item() == pytest.approx(3.75, rel=1e-12)
+
+
+def test_penalties_scale_with_sqrt_d_h() -> None:
+    # d_h = 4 copies of the same row: W = 4 * outer / sqrt(4) = 2 * outer([1,0],[1,2])
+    # -> every moment of the d_h = 1 example times 4 (var 5, ||W_sym||^2/D 6, mean 1).
+    w_q = torch.tensor([[1.0, 0.0]] * 4, dtype=torch.float64)
+    w_k = torch.tensor([[1.0, 2.0]] * 4, dtype=torch.float64)
+    assert spectral_variance_penalty(w_q, w_k).item() == pytest.approx(5.0, rel=1e-12)
+    assert locater_penalty(w_q, w_k, 0.0).item() == pytest.approx(6.0 + 1.0, rel=1e-12)
+    assert locater_penalty(w_q, w_k, 1.0).item() == pytest.approx(6.0, rel=1e-12)
+
+
+# --------------------------------------------------------------------------- vs explicit
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d_h", "d"), SHAPES)
+def test_spectral_variance_penalty_vs_eigvalsh(dtype: torch.dtype, d_h: int, d: int) -> None:
+    for seed in range(3):
+        w_q, w_k = _pair((d_h, d), dtype, seed)
+        out = spectral_variance_penalty(w_q, w_k)
+        assert out.shape == () and out.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 1e-10
+        assert out.item() == pytest.approx(_explicit_var(w_q, w_k), rel=tol, abs=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d_h", "d"), SHAPES)
+@pytest.mark.parametrize("target", [0.0, 0.7, -1.3])
+def test_locater_penalty_vs_explicit(dtype: torch.dtype, d_h: int, d: int, target: float) -> None:
+    w_q, w_k = _pair((d_h, d), dtype, seed=d_h * 31 + d)
+    out = locater_penalty(w_q, w_k, target)
+    assert out.shape == () and out.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    assert out.item() == pytest.approx(_explicit_locater(w_q, w_k, target), rel=tol, abs=tol)
+
+
+def test_penalties_batched_heads() -> None:
+    w_q, w_k = _pair((3, 4, 6), torch.float64, seed=5)  # (H, d_h, D)
+    var = spectral_variance_penalty(w_q, w_k)
+    loc = locater_penalty(w_q, w_k, 0.4)
+    assert var.shape == (3,) and loc.shape == (3,)
+    for h in range(3):
+        assert var[h].item() == pytest.approx(_explicit_var(w_q[h], w_k[h]), rel=1e-10)
+        assert loc[h].item() == pytest.approx(_explicit_locater(w_q[h], w_k[h], 0.4), rel=1e-10)
+
+
+def test_penalties_non_negative_and_zero_cases() -> None:
+    # W = c * I (d_h = D, w_q = w_k = I): var 0; locater with target c gives ||W_sym||^2/D = c^2.
+    eye = torch.eye(4, dtype=torch.float64)
+    c = 1 / math.sqrt(4)
+    assert spectral_variance_penalty(eye, eye).item() == pytest.approx(0.0, abs=1e-14)
+    assert locater_penalty(eye, eye, c).item() == pytest.approx(c**2, rel=1e-12)
+    # w_q = 0: W = 0, both zero at target 0
+    z = torch.zeros(2, 4, dtype=torch.float64)
+    w = torch.randn(2, 4, generator=_gen(6), dtype=torch.float64)
+    assert spectral_variance_penalty(z, w).item() == 0.0
+    assert locater_penalty(z, w, 0.0).item() == 0.0
+    for seed in range(5):
+        w_q, w_k = _pair((3, 5), torch.float64, seed=seed)
+        assert spectral_variance_penalty(w_q, w_k).item() >= -1e-12
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize(("d_h", "d"), [(1, 1), (1, 3), (2, 3), (4, 2), (3, 5)])
+def test_spectral_variance_penalty_gradcheck(d_h: int, d: int) -> None:
+    w_q, w_k = _pair((d_h, d), torch.float64, seed=7 + d_h + d)
+    w_q.requires_grad_(True)
+    w_k.requires_grad_(True)
+    assert torch.autograd.gradcheck(spectral_variance_penalty, (w_q, w_k))
+
+
+@pytest.mark.parametrize(("d_h", "d"), [(1, 1), (1, 3), (2, 3), (4, 2), (3, 5)])
+@pytest.mark.parametrize("target", [0.0, 0.5])
+def test_locater_penalty_gradcheck(d_h: int, d: int, target: float) -> None:
+    w_q, w_k = _pair((d_h, d), torch.float64, seed=17 + d_h + d)
+    w_q.requires_grad_(True)
+    w_k.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda q, k: locater_penalty(q, k, target), (w_q, w_k))
+
+
+def test_penalty_gradients_match_explicit_form() -> None:
+    # autograd through the explicit D x D formulas gives the same gradient
+    w_q, w_k = _pair((3, 5), torch.float64, seed=8)
+    q1 = w_q.clone().requires_grad_(True)
+    k1 = w_k.clone().requires_grad_(True)
+    q2 = w_q.clone().requires_grad_(True)
+    k2 = w_k.clone().requires_grad_(True)
+    target = 0.3
+
+    spectral_variance_penalty(q1, k1).backward()  # type: ignore[no-untyped-call]
+    w = q2.T @ k2 / math.sqrt(3)
+    sym = (w + w.T) / 2
+    ev = torch.linalg.eigvalsh(sym)
+    ((ev - ev.mean()) ** 2).mean().backward()
+    torch.testing.assert_close(q1.grad, q2.grad)
+    torch.testing.assert_close(k1.grad, k2.grad)
+
+    for t in (q1, k1, q2, k2):
+        t.grad = None
+    locater_penalty(q1, k1, target).backward()  # type: ignore[no-untyped-call]
+    w = q2.T @ k2 / math.sqrt(3)
+    sym = (w + w.T) / 2
+    ((sym**2).sum() / 5 + (torch.trace(w) / 5 - target) ** 2).backward()  # type: ignore[no-untyped-call]
+    torch.testing.assert_close(q1.grad, q2.grad)
+    torch.testing.assert_close(k1.grad, k2.grad)
+
+
+def test_penalties_float32_differentiable() -> None:
+    w_q, w_k = _pair((2, 4, 6), torch.float32, seed=9)
+    w_q.requires_grad_(True)
+    w_k.requires_grad_(True)
+    (spectral_variance_penalty(w_q, w_k).sum() + locater_penalty(w_q, w_k, 0.1).sum()).backward()  # type: ignore[no-untyped-call]
+    assert w_q.grad is not None and w_k.grad is not None
+    assert w_q.grad.dtype == torch.float32
+    assert torch.isfinite(w_q.grad).all() and w_q.grad.abs().sum() > 0
+
+
+# --------------------------------------------------------------------------- model_penalty
+
+
+def _layers(
+    n_layers: int, h: int, d_h: int, d: int, dtype: torch.dtype, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = _gen(seed)
+    return [
+        (
+            torch.randn(h, d_h, d, generator=g, dtype=dtype),
+            torch.randn(h, d_h, d, generator=g, dtype=dtype),
+        )
+        for _ in range(n_layers)
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_penalty_spectral_variance_is_mean_over_layers_and_heads(dtype: torch.dtype) -> None:
+    layers = _layers(3, 2, 4, 6, dtype, seed=10)
+    per_head = [_explicit_var(q[h], k[h]) for q, k in layers for h in range(2)]
+    out = model_penalty(layers, "spectral_variance")
+    assert out.shape == () and out.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    assert out.item() == pytest.approx(sum(per_head) / len(per_head), rel=tol)
+
+
+@pytest.mark.parametrize("target", [0.0, 0.25])
+def test_model_penalty_locater_is_mean_over_layers_and_heads(target: float) -> None:
+    layers = _layers(2, 3, 2, 5, torch.float64, seed=11)
+    per_head = [_explicit_locater(q[h], k[h], target) for q, k in layers for h in range(3)]
+    out = model_penalty(layers, "locater", target_mean=target)
+    assert out.item() == pytest.approx(sum(per_head) / len(per_head), rel=1e-10)
+
+
+def test_model_penalty_default_target_is_zero() -> None:
+    layers = _layers(2, 2, 3, 4, torch.float64, seed=12)
+    per_head = [_explicit_locater(q[h], k[h], 0.0) for q, k in layers for h in range(2)]
+    assert model_penalty(layers, "locater").item() == pytest.approx(
+        sum(per_head) / len(per_head), rel=1e-10
+    )
+
+
+def test_model_penalty_single_layer_single_head() -> None:
+    layers = _layers(1, 1, 3, 3, torch.float64, seed=13)
+    q, k = layers[0]
+    assert model_penalty(layers, "spectral_variance").item() == pytest.approx(
+        _explicit_var(q[0], k[0]), rel=1e-10
+    )
+
+
+def test_model_penalty_gradcheck() -> None:
+    layers = _layers(2, 2, 2, 3, torch.float64, seed=14)
+    flat = [t.requires_grad_(True) for pair in layers for t in pair]
+
+    def f(*ts: torch.Tensor) -> torch.Tensor:
+        pairs = [(ts[i], ts[i + 1]) for i in range(0, len(ts), 2)]
+        return model_penalty(pairs, "spectral_variance") + model_penalty(pairs, "locater", 0.2)
+
+    assert torch.autograd.gradcheck(f, tuple(flat))
+
+
+def test_model_penalty_none_raises() -> None:
+    layers = _layers(1, 2, 2, 3, torch.float64, seed=15)
+    with pytest.raises(ValueError):
+        model_penalty(layers, "none")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_penalties_on_cuda_match_cpu() -> None:
+    layers = _layers(2, 2, 4, 8, torch.float64, seed=16)
+    cuda_layers = [(q.cuda(), k.cuda()) for q, k in layers]
+    for kind in ("spectral_variance", "locater"):
+        gpu = model_penalty(cuda_layers, kind, 0.1)
+        assert gpu.device.type == "cuda"
+        torch.testing.assert_close(gpu.cpu(), model_penalty(layers, kind, 0.1))

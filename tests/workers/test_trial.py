@@ -1,0 +1,364 @@
+"""Tests for workers.trial: reproducibility, regularizers, resume, divergence, pruning, CLI.
+
+Every trial here is tiny (d_model 32, 2 layers, tens of steps on a synthetic task) so the
+file runs in seconds on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from workers.trial import MetricPoint, TrialConfig, TrialSummary, run_trial
+
+REPO = Path(__file__).resolve().parents[2]
+WIKITEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2"
+
+# Fields of the summary that measure the machine, not the trial.
+TIMING_FIELDS = {"wall_time_s", "tokens_per_s"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny matmuls gain nothing from intra-op threads and suffer badly on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+TINY: dict[str, Any] = {
+    "task": {
+        "kind": "associative_recall",
+        "seq_len": 16,
+        "n_pairs": 4,
+        "n_symbols": 8,
+        "n_valid": 32,
+    },
+    "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64},
+    "batch_size": 8,
+    "steps": 20,
+    "eval_every": 5,
+    "eval_batches": 2,
+    "probe_batch_size": 4,
+    "device": "cpu",
+    "seed": 0,
+}
+
+
+def tiny(**over: Any) -> TrialConfig:
+    return TrialConfig.model_validate(_merge(TINY, over))
+
+
+Key = tuple[int, str, int | None, int | None]
+
+
+class Recorder:
+    """A reporter that keeps every report; optionally stops or crashes at a given report."""
+
+    def __init__(self, stop_at_report: int | None = None, crash_at_step: int | None = None) -> None:
+        self.reports: list[tuple[int, list[MetricPoint]]] = []
+        self.stop_at_report = stop_at_report
+        self.crash_at_step = crash_at_step
+
+    def report(self, step: int, metrics: list[MetricPoint]) -> bool:
+        if self.crash_at_step is not None and step == self.crash_at_step:
+            raise RuntimeError(f"simulated crash at step {step}")
+        self.reports.append((step, list(metrics)))
+        return self.stop_at_report is not None and len(self.reports) == self.stop_at_report
+
+    @property
+    def steps(self) -> list[int]:
+        return [s for s, _ in self.reports]
+
+    def stream(self, after: int = 0) -> list[tuple[int, str, int | None, int | None, float]]:
+        """Every reported number as (step, name, layer, head, value), in report order."""
+        return [
+            (s, p.name, p.layer, p.head, p.value)
+            for s, points in self.reports
+            if s > after
+            for p in points
+        ]
+
+    def at(self, step: int) -> dict[tuple[str, int | None, int | None], float]:
+        for s, points in self.reports:
+            if s == step:
+                return {(p.name, p.layer, p.head): p.value for p in points}
+        raise KeyError(step)
+
+
+def _summary_sans_timing(s: TrialSummary) -> dict[str, Any]:
+    return {k: v for k, v in s.model_dump().items() if k not in TIMING_FIELDS}
+
+
+# (a) ------------------------------------------------------------------------------------------
+
+
+def test_same_config_and_seed_is_bit_identical_on_cpu() -> None:
+    cfg = tiny(model={"qk_init_std": 0.2})
+    r1, r2 = Recorder(), Recorder()
+    s1, s2 = run_trial(cfg, r1), run_trial(cfg, r2)
+    assert s1.status == s2.status == "completed"
+    assert s1.val_losses == s2.val_losses  # exact float equality
+    assert s1.final_train_loss == s2.final_train_loss
+    assert s1.final_train_loss is not None and math.isfinite(s1.final_train_loss)
+    assert r1.stream() == r2.stream()
+    assert _summary_sans_timing(s1) == _summary_sans_timing(s2)
+
+    s3 = run_trial(tiny(model={"qk_init_std": 0.2}, seed=1))
+    assert s3.val_losses != s1.val_losses  # the seed matters
+
+
+def test_eval_cadence_includes_final_step() -> None:
+    rec = Recorder()
+    s = run_trial(tiny(steps=12, eval_every=5), rec)
+    assert rec.steps == [5, 10, 12]
+    assert s.eval_steps == [5, 10, 12]
+    assert s.steps_done == 12
+    assert len(s.val_losses) == 3
+
+
+# (b) ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["spectral_variance", "locater"])
+def test_lambda_zero_is_bit_identical_to_no_regularizer(kind: str) -> None:
+    none_rec, zero_rec = Recorder(), Recorder()
+    s_none = run_trial(tiny(model={"qk_init_std": 0.3}, regularizer={"kind": "none"}), none_rec)
+    s_zero = run_trial(
+        tiny(
+            model={"qk_init_std": 0.3},
+            regularizer={"kind": kind, "lambda": 0.0, "target_mean": 0.5},
+        ),
+        zero_rec,
+    )
+    assert zero_rec.stream() == none_rec.stream()
+    assert _summary_sans_timing(s_zero) == _summary_sans_timing(s_none)
+
+
+# (c) ------------------------------------------------------------------------------------------
+
+
+def test_spectral_variance_penalty_lowers_qk_eigen_variance() -> None:
+    # Measured (seed 0, 30 steps, qk_init_std 0.3, lr 1e-3): mean qk_eig_var at the end is
+    # ~0.144 with lambda = 0 and ~0.10 with lambda = 10 (ratio ~0.72); 0.9 leaves margin.
+    base = {"model": {"qk_init_std": 0.3}, "steps": 30, "eval_every": 10}
+    rec0, rec1 = Recorder(), Recorder()
+    s0 = run_trial(tiny(**base), rec0)
+    s1 = run_trial(tiny(**base, regularizer={"kind": "spectral_variance", "lambda": 10.0}), rec1)
+    assert s0.qk_eig_var is not None and s1.qk_eig_var is not None
+    assert s1.qk_eig_var < 0.9 * s0.qk_eig_var, (s0.qk_eig_var, s1.qk_eig_var)
+    # the summary's number is the mean over layers and heads of the final evaluation
+    final = rec1.at(30)
+    per_head = [v for (name, _, _), v in final.items() if name == "qk_eig_var"]
+    assert s1.qk_eig_var == pytest.approx(sum(per_head) / len(per_head), rel=1e-12)
+    # the regularized run reports its penalty; the plain one does not
+    assert ("reg_penalty", None, None) in final
+    assert ("reg_penalty", None, None) not in rec0.at(30)
+
+
+# (d) ------------------------------------------------------------------------------------------
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("crash", "k"),
+    [("reporter", 15), ("progress", 12)],
+    ids=["crash-in-report-at-eval-15", "crash-mid-interval-at-12"],
+)
+def test_checkpoint_resume_matches_uninterrupted_run(tmp_path: Path, crash: str, k: int) -> None:
+    over = {"model": {"qk_init_std": 0.2}, "regularizer": {"kind": "locater", "lambda": 0.1}}
+    rec_a = Recorder()
+    s_a = run_trial(tiny(**over, checkpoint={"dir": str(tmp_path / "a")}), rec_a)
+    assert s_a.status == "completed" and rec_a.steps == [5, 10, 15, 20]
+
+    cfg_b = tiny(**over, checkpoint={"dir": str(tmp_path / "b")})
+    if crash == "reporter":
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            run_trial(cfg_b, Recorder(crash_at_step=k))
+    else:
+
+        def boom(step: int) -> None:
+            if step == k:
+                raise _Crash(f"simulated crash at step {step}")
+
+        with pytest.raises(_Crash):
+            run_trial(cfg_b, Recorder(), progress=boom)
+    assert (tmp_path / "b" / "checkpoint.pt").exists()
+    last_ckpt = 10  # the checkpoint follows each report, so a crash at 12 or in report 15 -> 10
+
+    rec_b = Recorder()
+    s_b = run_trial(cfg_b, rec_b)
+    assert rec_b.steps == [s for s in rec_a.steps if s > last_ckpt]
+    assert rec_b.stream() == rec_a.stream(after=last_ckpt)
+    assert k in rec_b.steps or k not in rec_a.steps
+    assert _summary_sans_timing(s_b) == _summary_sans_timing(s_a)
+    assert s_b.steps_done == 20 and s_b.eval_steps == [5, 10, 15, 20]
+
+
+def test_completed_checkpoint_rerun_returns_same_summary(tmp_path: Path) -> None:
+    cfg = tiny(checkpoint={"dir": str(tmp_path)})
+    s1 = run_trial(cfg)
+    rec = Recorder()
+    s2 = run_trial(cfg, rec)
+    assert rec.reports == []  # nothing left to train
+    assert _summary_sans_timing(s2) == _summary_sans_timing(s1)
+
+
+# (e) ------------------------------------------------------------------------------------------
+
+
+def test_divergence_is_reported_not_raised() -> None:
+    # Measured: plain SGD at lr 10 without clipping blows up within a handful of steps
+    # (val loss ~3e3 at step 2, ~6e7 at step 4, non-finite by step 6).
+    rec = Recorder()
+    s = run_trial(
+        tiny(
+            optim={"name": "sgd", "lr": 10.0, "grad_clip": None, "schedule": "constant"},
+            steps=200,
+            eval_every=2,
+        ),
+        rec,
+    )
+    assert s.status == "diverged"
+    assert s.diverged_at_step is not None and 0 < s.diverged_at_step < 200
+    assert s.steps_done < 200
+    # metrics measured before the divergence are kept, in the summary and in the reports
+    assert len(s.eval_steps) >= 1 and rec.steps[: len(s.eval_steps)] == s.eval_steps
+    assert all(step <= s.diverged_at_step for step in s.eval_steps)
+    assert s.val_losses[0] is not None and math.isfinite(s.val_losses[0])
+    assert s.best_val_loss is not None and math.isfinite(s.best_val_loss)
+    # the stored summary has no non-finite floats (they become None)
+    for value in s.model_dump().values():
+        assert not (isinstance(value, float) and not math.isfinite(value))
+    json.dumps(s.model_dump(mode="json"), allow_nan=False)
+
+
+# (f) ------------------------------------------------------------------------------------------
+
+
+def test_reporter_can_prune() -> None:
+    rec = Recorder(stop_at_report=2)
+    s = run_trial(tiny(steps=40, eval_every=5), rec)
+    assert s.status == "pruned"
+    assert s.steps_done == 10
+    assert rec.steps == [5, 10]
+    assert s.eval_steps == [5, 10]
+    assert s.diverged_at_step is None
+
+
+# (g) ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n_layers", "n_heads"), [(2, 2), (1, 4)])
+def test_reporter_receives_every_metric(n_layers: int, n_heads: int) -> None:
+    rec = Recorder()
+    run_trial(tiny(model={"n_layers": n_layers, "n_heads": n_heads}, steps=10), rec)
+    assert rec.steps == [5, 10]
+    expected: set[tuple[str, int | None, int | None]] = {
+        ("train_loss", None, None),
+        ("val_loss", None, None),
+        ("grad_norm", None, None),
+        ("lr", None, None),
+    }
+    for layer in range(1, n_layers + 1):
+        for head in range(n_heads):
+            for name in ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var"):
+                expected.add((name, layer, head))
+    for layer in range(n_layers + 1):
+        expected.add(("rank_ratio", layer, None))
+    for step, points in rec.reports:
+        keys = [(p.name, p.layer, p.head) for p in points]
+        assert len(keys) == len(set(keys)), f"duplicate metric at step {step}"
+        assert set(keys) == expected  # no regularizer: exactly these, nothing missing
+        for p in points:
+            assert isinstance(p.value, float) and math.isfinite(p.value), p
+        values = rec.at(step)
+        for layer in range(1, n_layers + 1):
+            for head in range(n_heads):
+                assert 0.0 <= values[("attn_entropy_norm", layer, head)] <= 1.0 + 1e-6
+                assert values[("attn_entropy", layer, head)] >= 0.0
+                assert values[("qk_eig_var", layer, head)] >= -1e-6
+        assert values[("lr", None, None)] > 0.0
+        assert values[("grad_norm", None, None)] > 0.0
+
+
+# (h) ------------------------------------------------------------------------------------------
+
+
+def test_cli_prints_json_summary(tmp_path: Path) -> None:
+    cfg_path = tmp_path / "trial.yaml"
+    cfg_path.write_text(yaml.safe_dump(_merge(TINY, {"steps": 10})))
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.trial", str(cfg_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["status"] == "completed"
+    assert summary["steps_done"] == 10
+    assert summary["eval_steps"] == [5, 10]
+    TrialSummary.model_validate(summary)
+
+
+def test_cli_usage_error() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.trial"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "usage" in proc.stderr
+
+
+# (i) ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not (WIKITEXT / "valid.txt").is_file(), reason="WikiText-2 data not present")
+def test_lm_trial_on_wikitext2() -> None:
+    rec = Recorder()
+    cfg = tiny(
+        task={
+            "kind": "lm",
+            "data_dir": str(WIKITEXT),
+            "train_split": "valid",
+            "valid_split": "test",
+            "seq_len": 32,
+            "vocab_cap": 2000,
+            "max_train_tokens": 20000,
+        },
+        steps=10,
+        eval_every=5,
+    )
+    s = run_trial(cfg, rec)
+    assert s.status == "completed"
+    assert s.steps_done == 10
+    assert s.final_train_loss is not None and math.isfinite(s.final_train_loss)
+    assert all(v is not None and math.isfinite(v) for v in s.val_losses)
+    # a fresh model is close to uniform over the 2001-token vocabulary (log 2001 = 7.6 nats)
+    assert s.val_losses[0] is not None and 5.0 < s.val_losses[0] < 9.0
+    assert s.trapped is False  # no known optimum, no study reference
