@@ -156,8 +156,9 @@ def test_lambda_zero_is_bit_identical_to_no_regularizer(kind: str) -> None:
 
 
 def test_spectral_variance_penalty_lowers_qk_eigen_variance() -> None:
-    # Measured (seed 0, 30 steps, qk_init_std 0.3, lr 1e-3): mean qk_eig_var at the end is
-    # ~0.144 with lambda = 0 and ~0.10 with lambda = 10 (ratio ~0.72); 0.9 leaves margin.
+    # Measured (30 steps, qk_init_std 0.3, AdamW lr 1e-3): the final mean qk_eig_var is
+    # 0.126-0.144 with lambda = 0 and 0.78-0.79 times that with lambda = 10 (seeds 0-3;
+    # 0.85-0.88 with lambda = 1). Asserting < 0.9 leaves margin.
     base = {"model": {"qk_init_std": 0.3}, "steps": 30, "eval_every": 10}
     rec0, rec1 = Recorder(), Recorder()
     s0 = run_trial(tiny(**base), rec0)

@@ -1,0 +1,228 @@
+"""Throughput cost of probing: `run_trial` against a bare training loop, side by side.
+
+Both train the same model (`workers.trial.build_model`) on the same data stream (the task's
+`train_batch` driven by a generator seeded like the trial's) with the same optimizer, batch
+size, gradient clipping and LR schedule, for the same number of steps. `run_trial` also does
+what a trial does: per-step loss checks, validation and the probe metrics every `eval_every`
+steps (TrialConfig defaults), reporting to a reporter that records. The bare loop does none of
+that and never synchronises with the host inside the loop.
+
+Runs are interleaved in one process (warm-up, then bare / run_trial alternately, order swapped
+on every repeat) and the medians compared. The headline ratio is training-loop tokens/s
+(run_trial's own loop timer, setup excluded, against the bare loop's); the end-to-end column
+also counts run_trial's setup (task, model, optimizer, probe batch). Target: ratio >= 0.95.
+
+    python -m bench.train_throughput            # default: < 3 minutes on 2 CPU cores
+    python -m bench.train_throughput --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.regularizers import model_penalty
+from workers.tasks import build_task
+from workers.trial import MetricPoint, TrialConfig, resolve_device, run_trial
+
+TARGET_RATIO = 0.95
+
+
+class RecordingReporter:
+    """Keeps every report, as a real reporter would (never asks to stop)."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[int, list[MetricPoint]]] = []
+
+    def report(self, step: int, metrics: list[MetricPoint]) -> bool:
+        self.reports.append((step, metrics))
+        return False
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(config: TrialConfig, device: torch.device) -> AbstractContextManager[Any]:
+    """The same mixed-precision policy as run_trial (bf16 on CUDA under dtype=auto)."""
+    if config.dtype == "bfloat16" or (config.dtype == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def bare_loop(config: TrialConfig) -> float:
+    """Train like run_trial minus probes, eval, reporting and host syncs; training tokens/s."""
+    from workers.trial import _lr_lambda, build_model  # the trial's own model and schedule
+
+    device = resolve_device(config)
+    task = build_task(config.task, config.seed)
+    model = build_model(config, task).to(device)
+    o = config.optim
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2)
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    data_gen = torch.Generator().manual_seed(config.seed)
+    reg = config.regularizer
+    use_penalty = reg.kind != "none" and reg.lam != 0.0
+    clip = o.grad_clip
+    ctx = _autocast(config, device)
+    model.train()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(config.steps):
+        x, y = task.train_batch(config.batch_size, data_gen)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with ctx:
+            _, loss = model(x, y)
+            assert loss is not None
+            if use_penalty:
+                penalty = model_penalty(model.qk_weights(), reg.kind, reg.target_mean)
+                loss = loss + reg.lam * penalty.float()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        scheduler.step()
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    return config.steps * config.batch_size * task.seq_len / elapsed
+
+
+@dataclass
+class TrialRun:
+    loop_tps: float  # run_trial's own timer: the training loop incl. evals and probes
+    call_tps: float  # wall clock around the whole call, setup included
+    n_reports: int
+
+
+def trial_run(config: TrialConfig) -> TrialRun:
+    device = resolve_device(config)
+    reporter = RecordingReporter()
+    _sync(device)
+    t0 = time.perf_counter()
+    summary = run_trial(config, reporter)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    if summary.status != "completed":
+        raise RuntimeError(f"benchmark trial ended {summary.status}")
+    tokens = summary.steps_done * config.batch_size * config.task.seq_len
+    return TrialRun(summary.tokens_per_s, tokens / elapsed, len(reporter.reports))
+
+
+@dataclass
+class Row:
+    name: str
+    bare: float
+    loop: float
+    call: float
+    n_reports: int
+
+    @property
+    def ratio(self) -> float:
+        return self.loop / self.bare
+
+    @property
+    def call_ratio(self) -> float:
+        return self.call / self.bare
+
+
+def measure(name: str, config: TrialConfig, repeats: int, warmup_steps: int) -> Row:
+    warm = config.model_copy(update={"steps": warmup_steps})
+    bare_loop(warm)
+    trial_run(warm)
+    bare: list[float] = []
+    runs: list[TrialRun] = []
+    for r in range(repeats):
+        if r % 2 == 0:
+            bare.append(bare_loop(config))
+            runs.append(trial_run(config))
+        else:
+            runs.append(trial_run(config))
+            bare.append(bare_loop(config))
+    return Row(
+        name,
+        statistics.median(bare),
+        statistics.median(r.loop_tps for r in runs),
+        statistics.median(r.call_tps for r in runs),
+        runs[0].n_reports,
+    )
+
+
+def configs(args: argparse.Namespace) -> list[tuple[str, TrialConfig]]:
+    base: dict[str, Any] = {
+        "model": {"n_layers": args.layers, "d_model": args.d_model, "d_ff": 4 * args.d_model},
+        "steps": args.steps,
+        "device": args.device,
+        "seed": 0,
+    }
+    out = [(f"L{args.layers} d{args.d_model} no-reg", TrialConfig.model_validate(base))]
+    if not args.quick:
+        reg = {**base, "regularizer": {"kind": "spectral_variance", "lambda": 0.1}}
+        out.append(
+            (f"L{args.layers} d{args.d_model} spectral_variance", TrialConfig.model_validate(reg))
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 200)")
+    p.add_argument("--repeats", type=int, default=None, help="runs of each kind (default 3)")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--quick", action="store_true", help="one config, 100 steps, 2 repeats")
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 100 if args.quick else 200
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 3
+    warmup_steps = max(1, min(20, args.steps // 5))
+
+    rows: list[Row] = []
+    t_start = time.perf_counter()
+    for name, cfg in configs(args):
+        rows.append(measure(name, cfg, args.repeats, warmup_steps))
+    total = time.perf_counter() - t_start
+
+    first = configs(args)[0][1]
+    device = resolve_device(first)
+    print(
+        f"train_throughput: device={device} torch={torch.__version__} "
+        f"threads={torch.get_num_threads()} steps={args.steps} repeats={args.repeats} "
+        f"batch={first.batch_size} seq_len={first.task.seq_len} task={first.task.kind} "
+        f"eval_every={first.eval_every} eval_batches={first.eval_batches} "
+        f"probe_batch={first.probe_batch_size}"
+    )
+    header = (
+        f"{'config':<32} {'bare tok/s':>12} {'run_trial tok/s':>16} {'ratio':>7} "
+        f"{'end-to-end tok/s':>17} {'e2e ratio':>9} {'reports':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r.name:<32} {r.bare:>12,.0f} {r.loop:>16,.0f} {r.ratio:>7.3f} "
+            f"{r.call:>17,.0f} {r.call_ratio:>9.3f} {r.n_reports:>7}"
+        )
+    worst = min(r.ratio for r in rows)
+    verdict = "meets" if worst >= TARGET_RATIO else "BELOW"
+    print(
+        f"ratio (run_trial loop / bare, medians): min {worst:.3f} -> {verdict} the "
+        f"{TARGET_RATIO} target; total {total:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
