@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Float, ColumnElement, and_, cast, func, select
+from sqlalchemy import ColumnElement, and_, case, func, select
 from sqlalchemy.orm import Session
 
 from service.db.models import NO_INDEX, Metric, Study, Trial, TrialState
@@ -53,7 +53,7 @@ class TrialFilter:
 
     def clause(self) -> ColumnElement[bool]:
         if self.field.startswith("params."):
-            col: Any = cast(Trial.params[self.field.removeprefix("params.")].as_string(), Float)
+            col: Any = Trial.params[self.field.removeprefix("params.")].as_float()
         else:
             col = SORTABLE[self.field]
         return getattr(col, _OPS[self.op])(self.value)  # type: ignore[no-any-return]
@@ -80,7 +80,7 @@ def _sort_column(sort: str) -> Any:
     desc = sort.startswith("-")
     name = sort.lstrip("-+")
     if name.startswith("params."):
-        col: Any = cast(Trial.params[name.removeprefix("params.")].as_string(), Float)
+        col: Any = Trial.params[name.removeprefix("params.")].as_float()
     elif name in SORTABLE:
         col = SORTABLE[name]
     else:
@@ -143,6 +143,11 @@ def index_or_none(v: int) -> int | None:
     return None if v == NO_INDEX else v
 
 
+def _count_true(col: Any) -> Any:
+    """Portable count of true values (PostgreSQL cannot cast boolean to float)."""
+    return func.sum(case((col.is_(True), 1), else_=0))
+
+
 def study_summary(s: Session, study: Study) -> dict[str, Any]:
     """Counts by state, collapse rates, best value, progress and a naive ETA."""
     counts = dict(
@@ -155,9 +160,9 @@ def study_summary(s: Session, study: Study) -> dict[str, Any]:
     agg = s.execute(
         select(
             func.count(),
-            func.sum(cast(Trial.entropy_collapse, Float)),
-            func.sum(cast(Trial.rank_collapse, Float)),
-            func.sum(cast(Trial.trapped, Float)),
+            _count_true(Trial.entropy_collapse),
+            _count_true(Trial.rank_collapse),
+            _count_true(Trial.trapped),
             func.avg(Trial.duration_s),
         ).where(Trial.study_id == study.id, Trial.state.in_(finished_states))
     ).one()

@@ -1,0 +1,75 @@
+"""Fixtures that create real databases (SQLite files, throwaway PostgreSQL databases)
+and real Ray clusters, and clean them up."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PG_ADMIN_URL = os.environ.get("QKSCOPE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+WIKITEXT = SHARED / "data" / "wikitext-2"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pg_available() -> str | None:
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN_URL, connect_timeout=3):
+            return None
+    except Exception as e:  # noqa: BLE001 - any failure means "no server"
+        return str(e)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> str:
+    """The PostgreSQL admin URL; a missing server skips locally and fails under CI=true."""
+    problem = _pg_available()
+    if problem is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"PostgreSQL required under CI=true but unreachable: {problem}")
+        pytest.skip(f"PostgreSQL unreachable: {problem}")
+    return PG_ADMIN_URL
+
+
+def _create_pg_db(admin_url: str) -> tuple[str, str]:
+    import psycopg
+
+    name = f"qkscope_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = admin_url.rsplit("/", 1)[0]
+    return name, f"{base}/{name}"
+
+
+def _drop_pg_db(admin_url: str, name: str) -> None:
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database of each kind (no schema yet)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'qkscope.db'}"
+        return
+    admin = request.getfixturevalue("pg_server")
+    name, url = _create_pg_db(admin)
+    try:
+        yield url
+    finally:
+        _drop_pg_db(admin, name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,168 @@
+"""End to end on a real local Ray head (token auth on) and a real database, SQLite and
+PostgreSQL: POST a study -> its Ray job appears -> trials run -> metrics land -> results API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from service.app import create_app
+from service.config import Settings
+from service.db.models import Metric, Study, Trial
+from service.db.session import make_engine, make_sessionmaker
+from service.ray_cluster import JobLauncher, LocalRayHead
+from tests.conftest import ROOT, free_port
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
+    head = LocalRayHead(
+        tmp_path_factory.mktemp("rayhome"),
+        gcs_port=free_port(),
+        dashboard_port=free_port(),
+        num_cpus=2,
+    )
+    head.start()
+    try:
+        yield head
+    finally:
+        head.stop()
+
+
+def small_quickstart(n_trials: int = 4, steps: int = 40) -> dict[str, Any]:
+    spec = yaml.safe_load((ROOT / "study_defs" / "quickstart.yaml").read_text())
+    spec["budget"]["n_trials"] = n_trials
+    spec["base"]["steps"] = steps
+    spec["base"]["eval_every"] = 20
+    return dict(spec)
+
+
+def wait_for(client: TestClient, study_id: int, statuses: set[str], timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        study = client.get(f"/v1/studies/{study_id}").json()
+        if study["status"] in statuses:
+            return dict(study)
+        time.sleep(0.5)
+    raise AssertionError(f"study {study_id} not in {statuses} after {timeout}s: {study}")
+
+
+@pytest.fixture
+def app_client(db_url: str, ray_head: LocalRayHead, tmp_path: Path) -> Iterator[tuple[TestClient, str]]:
+    settings = Settings(
+        database_url=db_url,
+        ray_address=ray_head.dashboard_url,
+        home=tmp_path,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    with TestClient(create_app(settings, reconcile_loop=False)) as client:
+        yield client, db_url
+
+
+def test_study_runs_end_to_end(app_client: tuple[TestClient, str], ray_head: LocalRayHead) -> None:
+    client, db_url = app_client
+    spec = small_quickstart()
+    r = client.post("/v1/studies", content=yaml.safe_dump(spec), headers={"content-type": "application/yaml"})
+    assert r.status_code == 201, r.text
+    study = r.json()
+    sid, job_id = study["id"], study["ray_job_id"]
+    assert job_id == f"qkscope-study-{sid}"
+    # The study's job is visible through Ray's Job Submission API (the dashboard's Jobs page).
+    jobs = {j.submission_id: j for j in JobLauncher(ray_head.dashboard_url).list_jobs()}
+    assert job_id in jobs and jobs[job_id].metadata["qkscope_study"] == str(sid)
+
+    final = wait_for(client, sid, {"COMPLETED", "FAILED"}, timeout=300)
+    assert final["status"] == "COMPLETED", final["error"]
+
+    page = client.get(f"/v1/studies/{sid}/trials", params={"limit": 100}).json()
+    trials = page["items"]
+    assert page["total"] == spec["budget"]["n_trials"] == len(trials)
+    assert {t["state"] for t in trials} == {"COMPLETE"}
+    assert all(t["node"] and t["value"] is not None for t in trials)
+
+    # Metric rows for every layer and head at every evaluation.
+    n_layers, n_heads = spec["base"]["model"]["n_layers"], spec["base"]["model"]["n_heads"]
+    steps = spec["base"]["steps"]
+    eval_steps = list(range(spec["base"]["eval_every"], steps + 1, spec["base"]["eval_every"]))
+    engine = make_engine(db_url)
+    sessions = make_sessionmaker(engine)
+    with sessions() as s:
+        for t in trials:
+            rows = s.execute(
+                select(Metric.name, Metric.layer, Metric.head, Metric.step).where(Metric.trial_id == t["id"])
+            ).all()
+            got = set(rows)
+            for step in eval_steps:
+                for layer in range(1, n_layers + 1):
+                    for head in range(n_heads):
+                        for name in ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var"):
+                            assert (name, layer, head, step) in got
+                for layer in range(0, n_layers + 1):
+                    assert ("rank_ratio", layer, -1, step) in got
+                assert ("val_loss", -1, -1, step) in got
+            per_eval = 4 * n_layers * n_heads + (n_layers + 1) + 5  # + train/val loss, grad, lr, penalty
+            assert len(rows) == per_eval * len(eval_steps)
+
+        # Summary counts agree with the database.
+        summary = client.get(f"/v1/studies/{sid}/summary").json()
+        db_counts = dict(
+            s.execute(select(Trial.state, func.count()).where(Trial.study_id == sid).group_by(Trial.state)).all()
+        )
+        assert {k: v for k, v in summary["trials_by_state"].items() if v} == db_counts
+        best = s.scalar(select(func.min(Trial.value)).where(Trial.study_id == sid))
+        assert summary["best_value"] == pytest.approx(best)
+        collapsed = s.scalar(
+            select(func.count()).where(Trial.study_id == sid, Trial.entropy_collapse.is_(True))
+        )
+        assert summary["entropy_collapse_rate"] == pytest.approx(collapsed / len(trials))
+        assert s.get(Study, sid).finished_at is not None  # type: ignore[union-attr]
+    engine.dispose()
+
+    # The trials endpoint filters and sorts what the runner wrote.
+    by_loss = client.get(f"/v1/studies/{sid}/trials", params={"sort": "-final_val_loss"}).json()["items"]
+    losses = [t["final_val_loss"] for t in by_loss]
+    assert losses == sorted(losses, reverse=True)
+    stds = sorted(t["params"]["model.qk_init_std"] for t in trials)
+    cut = (stds[len(stds) // 2 - 1] + stds[len(stds) // 2]) / 2  # between two trials, not on one
+    low = client.get(f"/v1/studies/{sid}/trials", params={"where": f"params.model.qk_init_std<{cut}"}).json()
+    assert {t["id"] for t in low["items"]} == {t["id"] for t in trials if t["params"]["model.qk_init_std"] < cut}
+
+    metrics = client.get(f"/v1/trials/{trials[0]['id']}/metrics", params={"name": "val_loss"}).json()
+    assert [m["step"] for m in metrics] == eval_steps and all(m["layer"] is None for m in metrics)
+    detail = client.get(f"/v1/trials/{trials[0]['id']}").json()
+    assert detail["summary"]["eval_steps"] == eval_steps
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_cancel_stops_job_and_trials(app_client: tuple[TestClient, str], ray_head: LocalRayHead) -> None:
+    client, _ = app_client
+    spec = small_quickstart(n_trials=6, steps=5000)
+    r = client.post("/v1/studies", json=spec)
+    assert r.status_code == 201, r.text
+    sid, job_id = r.json()["id"], r.json()["ray_job_id"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        running = client.get(f"/v1/studies/{sid}/trials", params={"state": "RUNNING"}).json()["total"]
+        if running:
+            break
+        time.sleep(0.5)
+    assert running, "no trial started"
+    t0 = time.monotonic()
+    assert client.post(f"/v1/studies/{sid}/cancel").json()["status"] == "CANCELLED"
+    launcher = JobLauncher(ray_head.dashboard_url)
+    while time.monotonic() - t0 < 30 and launcher.status(job_id) not in ("STOPPED", "FAILED", "SUCCEEDED"):
+        time.sleep(0.5)
+    assert launcher.status(job_id) in ("STOPPED", "FAILED", "SUCCEEDED")
+    trials = client.get(f"/v1/studies/{sid}/trials", params={"limit": 100}).json()["items"]
+    assert trials and all(t["state"] != "RUNNING" for t in trials)
+    assert any(t["state"] == "CANCELLED" for t in trials)
+    assert client.get(f"/v1/studies/{sid}").json()["status"] == "CANCELLED"

@@ -1,0 +1,253 @@
+"""Static checks of the container deployment: docker-compose.yml, Dockerfile, .env.example.
+
+No Docker engine is needed: the files are parsed and cross-checked against each other,
+against pyproject.toml and against `service.config.Settings`.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from service.cli import _is_loopback
+from service.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+ENV_EXAMPLE = ROOT / ".env.example"
+
+SERVICES = ("postgres", "ray-head", "ray-worker", "api")
+RAY_USERS = ("ray-head", "ray-worker", "api")  # join the cluster or submit jobs to it
+# ${VAR}, ${VAR:-default}, ${VAR:?message}, ...
+REF = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<mod>:?[-?+][^}]*)?\}")
+SECRETISH = re.compile(r"PASSWORD|TOKEN|SECRET", re.IGNORECASE)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return dict(compose["services"])
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    """A service's environment as a mapping (compose allows a mapping or KEY=VALUE list)."""
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        return dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def argv_of(service: dict[str, Any]) -> list[str]:
+    cmd = service.get("command") or []
+    return shlex.split(cmd) if isinstance(cmd, str) else [str(c) for c in cmd]
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    """The value of `--name=value` or `--name value` in argv, else None."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def interpolated(value: str, fill: str = "x") -> str:
+    """`value` with every ${...} reference replaced, as compose would (with a dummy value)."""
+    return REF.sub(fill, value)
+
+
+def is_reference(value: str) -> bool:
+    return REF.fullmatch(value) is not None
+
+
+def published(service: dict[str, Any]) -> list[tuple[str | None, int, int]]:
+    """(host ip, host port, container port) of each short-syntax or long-syntax port."""
+    out: list[tuple[str | None, int, int]] = []
+    for p in service.get("ports", []):
+        if isinstance(p, dict):
+            out.append((p.get("host_ip"), int(p["published"]), int(p["target"])))
+            continue
+        parts = str(p).split(":")
+        ip = parts[0] if len(parts) == 3 else None
+        out.append((ip, int(parts[-2]), int(parts[-1].split("/")[0])))
+    return out
+
+
+def torch_pin() -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = [d for d in deps if re.match(r"torch\s*==", d)]
+    assert len(pins) == 1, deps
+    return pins[0].split("==", 1)[1].strip()
+
+
+def test_the_four_services_exist(services: dict[str, dict[str, Any]]) -> None:
+    assert set(SERVICES) <= set(services)
+    for name in ("ray-head", "ray-worker", "api"):
+        assert services[name].get("build") or services[name].get("image"), name
+    assert str(services["postgres"]["image"]).startswith("postgres:16")
+    assert "pg_isready" in str(services["postgres"]["healthcheck"]["test"])
+
+
+def test_volumes(compose: dict[str, Any], services: dict[str, dict[str, Any]]) -> None:
+    assert {"pgdata", "checkpoints"} <= set(compose["volumes"])
+    assert any(str(v).startswith("pgdata:") for v in services["postgres"]["volumes"])
+    for name in RAY_USERS:
+        ckpt = env_of(services[name])["QKSCOPE_CHECKPOINT_DIR"]
+        assert f"checkpoints:{ckpt}" in services[name]["volumes"], name
+
+
+def test_api_reaches_the_ray_dashboard(services: dict[str, dict[str, Any]]) -> None:
+    url = urlsplit(env_of(services["api"])["QKSCOPE_RAY_ADDRESS"])
+    head = argv_of(services["ray-head"])
+    assert url.scheme == "http"
+    assert url.hostname == "ray-head"
+    assert str(url.port) == flag(head, "--dashboard-port")
+    assert flag(head, "--dashboard-host") == "0.0.0.0"  # reachable from the api container
+    assert "ray-head" in services["api"]["depends_on"]
+
+
+def test_database_urls_point_at_postgres(services: dict[str, dict[str, Any]]) -> None:
+    pg = env_of(services["postgres"])
+    for name in ("api", "ray-head"):
+        raw = env_of(services[name])["QKSCOPE_DATABASE_URL"]
+        url = urlsplit(interpolated(raw))
+        assert url.scheme.startswith("postgresql"), name
+        assert url.hostname == "postgres", name
+        assert url.port == 5432, name
+        assert url.path.lstrip("/") == pg["POSTGRES_DB"], name
+        assert url.username == pg["POSTGRES_USER"], name
+        # the password part is the same reference postgres gets, never a literal
+        password = raw.split("://", 1)[1].rsplit("@", 1)[0].split(":", 1)[1]
+        assert is_reference(password), name
+        ref, pg_ref = REF.fullmatch(password), REF.fullmatch(pg["POSTGRES_PASSWORD"])
+        assert ref and pg_ref and ref["name"] == pg_ref["name"], name
+    assert services["api"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+
+
+def test_ray_token_auth_everywhere(services: dict[str, dict[str, Any]]) -> None:
+    tokens = set()
+    for name, svc in services.items():
+        argv = argv_of(svc)
+        if name in RAY_USERS or argv[:1] == ["ray"]:
+            env = env_of(svc)
+            assert env.get("RAY_AUTH_MODE") == "token", name
+            assert is_reference(env.get("RAY_AUTH_TOKEN", "")), name
+            tokens.add(env["RAY_AUTH_TOKEN"])
+    assert len(tokens) == 1, tokens
+
+
+def test_worker_joins_the_head(services: dict[str, dict[str, Any]]) -> None:
+    head, worker = argv_of(services["ray-head"]), argv_of(services["ray-worker"])
+    assert head[:2] == ["ray", "start"] and "--head" in head and "--block" in head
+    assert worker[:2] == ["ray", "start"] and "--block" in worker
+    port = flag(head, "--port")
+    assert port is not None and port != "6379"  # 6379 is Redis's port
+    assert flag(worker, "--address") == f"ray-head:{port}"
+    assert flag(head, "--num-cpus") is not None
+    assert "ray-head" in services["ray-worker"]["depends_on"]
+
+
+def test_worker_reserves_gpus(services: dict[str, dict[str, Any]]) -> None:
+    devices = services["ray-worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any(
+        d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) and d.get("count")
+        for d in devices
+    ), devices
+
+
+def test_published_ports(services: dict[str, dict[str, Any]]) -> None:
+    ports = {name: published(svc) for name, svc in services.items()}
+    assert any(host == 8000 and target == 8000 for _, host, target in ports["api"])
+    dashboard = [(ip, host) for ip, host, target in ports["ray-head"] if target == 8265]
+    assert dashboard == [("127.0.0.1", 8265)]  # the dashboard never listens publicly
+    assert not ports.get("postgres")
+
+
+def test_no_literal_secrets(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        for key, value in env_of(svc).items():
+            if SECRETISH.search(key):
+                assert is_reference(value), f"{name}: {key} must be a ${{...}} reference"
+            url = urlsplit(interpolated(value, fill="REF"))
+            if url.scheme and url.password is not None:
+                assert url.password == "REF", f"{name}: {key} embeds a literal password"
+
+
+def test_required_secrets_fail_fast_and_are_in_env_example(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    example = dict(
+        line.split("=", 1)
+        for line in ENV_EXAMPLE.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    )
+    required = set()
+    for svc in services.values():
+        for key, value in env_of(svc).items():
+            if SECRETISH.search(key):
+                m = REF.fullmatch(value)
+                assert m and (m["mod"] or "").startswith(":?"), f"{key} must use ${{VAR:?...}}"
+                required.add(m["name"])
+    assert required == {"POSTGRES_PASSWORD", "RAY_AUTH_TOKEN", "QKSCOPE_API_TOKENS"}
+    assert required <= set(example)
+    for name in required:
+        assert re.search(r"change|replace|generate", example[name]), f"{name}: not a placeholder"
+
+
+def test_qkscope_env_names_are_settings(services: dict[str, dict[str, Any]]) -> None:
+    fields = set(Settings.model_fields)
+    for name, svc in services.items():
+        for key in env_of(svc):
+            if key.startswith("QKSCOPE_"):
+                assert key.removeprefix("QKSCOPE_").lower() in fields, f"{name}: {key}"
+
+
+def test_api_serves_publicly_only_with_tokens(services: dict[str, dict[str, Any]]) -> None:
+    argv = argv_of(services["api"])
+    assert argv[:2] == ["qkscope", "serve"]
+    host = flag(argv, "--host")
+    assert host is not None
+    port = flag(argv, "--port") or "8000"
+    assert any(target == int(port) for _, _, target in published(services["api"]))
+    env = env_of(services["api"])
+    if not _is_loopback(host):  # `qkscope serve` refuses this without tokens
+        assert is_reference(env.get("QKSCOPE_API_TOKENS", ""))
+    assert env.get("QKSCOPE_RAY_ADDRESS")  # no embedded Ray head inside the api container
+
+
+def test_dockerfile_installs_the_project_with_the_pinned_torch() -> None:
+    text = DOCKERFILE.read_text()
+    code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+    assert re.search(r"^FROM python:3\.11-slim\b", code, re.MULTILINE)
+    assert re.search(r"pip install\b[^\n]*?(?:-e\s+)?\.(?:\s|$)", code), "pip install . missing"
+    for src in (
+        "service/",
+        "workers/",
+        "migrations/",
+        "study_defs/",
+        "pyproject.toml",
+        "README.md",
+    ):
+        assert re.search(rf"^COPY\b[^\n]*\b{re.escape(src)}", code, re.MULTILINE), src
+    pin = torch_pin()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", code, re.MULTILINE))
+    assert args.get("TORCH_VERSION", pin) == pin
+    assert "TORCH_INDEX_URL" in args
+    literal = re.findall(r"torch\s*[=<>~!]=?\s*([0-9][\w.+]*)", code)
+    assert all(v == pin for v in literal), literal
+    assert not re.search(r"(PASSWORD|TOKEN|SECRET)\w*\s*=", code), "no secrets in the image"
