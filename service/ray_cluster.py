@@ -25,9 +25,12 @@ log = logging.getLogger(__name__)
 
 
 def job_id_for(study_id: int, attempt: int) -> str:
-    """Ray job submission id: the dashboard's Jobs page shows which study it is."""
-    base = f"qkscope-study-{study_id}"
-    return base if attempt <= 1 else f"{base}-r{attempt}"
+    """Ray job submission id: `qkscope-study-<id>-a<attempt>-<random>`.
+
+    The prefix tells the dashboard's Jobs page which study it is; the suffix
+    keeps ids unique when several qkscope databases share one Ray cluster.
+    """
+    return f"qkscope-study-{study_id}-a{attempt}-{secrets.token_hex(3)}"
 
 
 def ray_token(home: Path) -> str:

@@ -75,7 +75,7 @@ def test_study_runs_end_to_end(app_client: tuple[TestClient, str], ray_head: Loc
     assert r.status_code == 201, r.text
     study = r.json()
     sid, job_id = study["id"], study["ray_job_id"]
-    assert job_id == f"qkscope-study-{sid}"
+    assert job_id.startswith(f"qkscope-study-{sid}-a1-")
     # The study's job is visible through Ray's Job Submission API (the dashboard's Jobs page).
     jobs = {j.submission_id: j for j in JobLauncher(ray_head.dashboard_url).list_jobs()}
     assert job_id in jobs and jobs[job_id].metadata["qkscope_study"] == str(sid)

@@ -66,14 +66,15 @@ def test_probe_attention_rows_sum_to_one_and_mask_is_exact_zero(qk_init_std: flo
     ("norm", "skip", "mlp", "qk_norm"),
     list(
         itertools.product(
-            ["pre", "post", "none"], [True, False], [True, False], ["none", "layernorm", "sigma_reparam"]
+            ["pre", "post", "none"],
+            [True, False],
+            [True, False],
+            ["none", "layernorm", "sigma_reparam"],
         )
     ),
 )
 def test_probe_logits_match_fused_forward(norm: str, skip: bool, mlp: bool, qk_norm: str) -> None:
-    m = _model(
-        n_layers=3, norm=norm, skip=skip, mlp=mlp, qk_norm=qk_norm, qk_init_std=0.3
-    ).eval()
+    m = _model(n_layers=3, norm=norm, skip=skip, mlp=mlp, qk_norm=qk_norm, qk_init_std=0.3).eval()
     idx = _idx(b=3)
     logits, _ = m(idx)
     out = m.probe(idx)
