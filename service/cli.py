@@ -47,7 +47,9 @@ def submit(path: str, api_url: str | None = None) -> dict[str, Any]:
     text = Path(path).read_bytes()
     ctype = "application/json" if path.endswith(".json") else "application/yaml"
     with _client(api_url) as c:
-        study: dict[str, Any] = _check(c.post("/v1/studies", content=text, headers={"content-type": ctype}))
+        study: dict[str, Any] = _check(
+            c.post("/v1/studies", content=text, headers={"content-type": ctype})
+        )
     return study
 
 
@@ -57,7 +59,9 @@ def watch(study_id: int, api_url: str | None = None, poll_s: float = 1.0) -> dic
 
     with _client(api_url) as c:
         s = _check(c.get(f"/v1/studies/{study_id}/summary"))
-        with tqdm(total=s["n_trials"], unit="trial", desc=f"study {study_id}", file=sys.stderr) as bar:
+        with tqdm(
+            total=s["n_trials"], unit="trial", desc=f"study {study_id}", file=sys.stderr
+        ) as bar:
             while True:
                 s = _check(c.get(f"/v1/studies/{study_id}/summary"))
                 bar.n = s["finished"]
@@ -77,29 +81,59 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def results_table(study_id: int, api_url: str | None = None, limit: int = 50, sort: str = "value") -> str:
+def results_table(
+    study_id: int, api_url: str | None = None, limit: int = 50, sort: str = "value"
+) -> str:
     with _client(api_url) as c:
         study = _check(c.get(f"/v1/studies/{study_id}"))
-        page = _check(c.get(f"/v1/studies/{study_id}/trials", params={"sort": sort, "limit": limit}))
+        page = _check(
+            c.get(f"/v1/studies/{study_id}/trials", params={"sort": sort, "limit": limit})
+        )
         summary = _check(c.get(f"/v1/studies/{study_id}/summary"))
     params = list(study["spec"].get("search_space", {}))
-    cols = ["#", "state", "value", "val_loss", "min_H_norm", "rank_ratio", "qk_var", "plateau",
-            "E-coll", "R-coll"] + params  # fmt: skip
+    cols = [
+        "#",
+        "state",
+        "value",
+        "val_loss",
+        "min_H_norm",
+        "rank_ratio",
+        "qk_var",
+        "plateau",
+        "E-coll",
+        "R-coll",
+    ] + params
     rows = [
-        [t["number"], t["state"], t["value"], t["final_val_loss"], t["min_norm_entropy"],
-         t["final_rank_ratio"], t["qk_eig_var"], t["plateau_steps"], t["entropy_collapse"],
-         t["rank_collapse"]] + [t["params"].get(p) for p in params]
+        [
+            t["number"],
+            t["state"],
+            t["value"],
+            t["final_val_loss"],
+            t["min_norm_entropy"],
+            t["final_rank_ratio"],
+            t["qk_eig_var"],
+            t["plateau_steps"],
+            t["entropy_collapse"],
+            t["rank_collapse"],
+        ]
+        + [t["params"].get(p) for p in params]
         for t in page["items"]
-    ]  # fmt: skip
+    ]
     cells = [[_fmt(v) for v in r] for r in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
-    out = [f"study {study_id} '{study['name']}': {study['status']}, "
-           f"{summary['finished']}/{study['n_trials']} trials, best value {_fmt(summary['best_value'])}",
-           line, "-" * len(line)]  # fmt: skip
+    out = [
+        f"study {study_id} '{study['name']}': {study['status']}, "
+        f"{summary['finished']}/{study['n_trials']} trials, "
+        f"best value {_fmt(summary['best_value'])}",
+        line,
+        "-" * len(line),
+    ]
     out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
-    out.append(f"entropy-collapse rate {_fmt(summary['entropy_collapse_rate'])}, "
-               f"rank-collapse rate {_fmt(summary['rank_collapse_rate'])}")  # fmt: skip
+    out.append(
+        f"entropy-collapse rate {_fmt(summary['entropy_collapse_rate'])}, "
+        f"rank-collapse rate {_fmt(summary['rank_collapse_rate'])}"
+    )
     return "\n".join(out)
 
 
@@ -121,18 +155,28 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     if not _is_loopback(args.host) and not settings.token_list():
-        print("refusing to serve on a non-loopback address without QKSCOPE_API_TOKENS", file=sys.stderr)
+        print(
+            "refusing to serve on a non-loopback address without QKSCOPE_API_TOKENS",
+            file=sys.stderr,
+        )
         return 2
     head = None
     if not settings.ray_address:
-        head = LocalRayHead(settings.home, dashboard_port=args.dashboard_port, gcs_port=args.ray_port,
-                            num_cpus=args.num_cpus)  # fmt: skip
-        print(f"starting a local Ray head (dashboard {head.dashboard_url}, token auth on) ...",
-              file=sys.stderr)  # fmt: skip
+        head = LocalRayHead(
+            settings.home,
+            dashboard_port=args.dashboard_port,
+            gcs_port=args.ray_port,
+            num_cpus=args.num_cpus,
+        )
+        print(
+            f"starting a local Ray head (dashboard {head.dashboard_url}, token auth on) ...",
+            file=sys.stderr,
+        )
         settings.ray_address = head.start()
     api_url = f"http://{args.host}:{args.port}"
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=args.host, port=args.port,
-                                           log_level="warning"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -140,12 +184,16 @@ def serve(args: argparse.Namespace) -> int:
             if not thread.is_alive():
                 return 1
             time.sleep(0.1)
-        print(f"qkscope API on {api_url} (docs {api_url}/docs); Ray dashboard {settings.ray_address}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"qkscope API on {api_url} (docs {api_url}/docs); Ray dashboard {settings.ray_address}",
+            file=sys.stderr,
+        )
         if args.run:
             study = submit(args.run, api_url)
-            print(f"submitted study {study['id']} ({study['name']}), Ray job {study['ray_job_id']}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"submitted study {study['id']} ({study['name']}), Ray job {study['ray_job_id']}",
+                file=sys.stderr,
+            )
             final = watch(study["id"], api_url)
             print(results_table(study["id"], api_url))
             if args.exit_when_done:
@@ -164,7 +212,9 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qkscope", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("serve", help="run the API (and a local Ray head unless QKSCOPE_RAY_ADDRESS)")
+    p = sub.add_parser(
+        "serve", help="run the API (and a local Ray head unless QKSCOPE_RAY_ADDRESS)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dashboard-port", type=int, default=8265)
@@ -209,8 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "results":
         if args.json:
             with _client() as c:
-                print(json.dumps(_check(c.get(f"/v1/studies/{args.id}/trials",
-                                              params={"limit": args.limit, "sort": args.sort})), indent=2))  # fmt: skip
+                print(
+                    json.dumps(
+                        _check(
+                            c.get(
+                                f"/v1/studies/{args.id}/trials",
+                                params={"limit": args.limit, "sort": args.sort},
+                            )
+                        ),
+                        indent=2,
+                    )
+                )
             return 0
         print(results_table(args.id, limit=args.limit, sort=args.sort))
         return 0

@@ -71,14 +71,17 @@ class LocalRayHead:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         ray_bin = shutil.which("ray", path=env["PATH"]) or "ray"
         cmd = [
-            ray_bin, "start", "--head", "--block",
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
             f"--port={self.gcs_port}",
             "--node-ip-address=127.0.0.1",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard_port}",
             "--include-dashboard=true",
             "--disable-usage-stats",
-        ]  # fmt: skip
+        ]
         if self.num_cpus is not None:
             cmd.append(f"--num-cpus={self.num_cpus}")
         logdir = self.home / "logs"
@@ -87,9 +90,13 @@ class LocalRayHead:
         cwd.mkdir(parents=True, exist_ok=True)
         with open(logdir / "ray-head.log", "ab") as out:
             self._proc = subprocess.Popen(
-                cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                cmd,
+                env=env,
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

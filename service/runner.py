@@ -47,8 +47,11 @@ POLL_S = 0.25
 TERMINAL = {StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED}
 
 
-def intermediate_value(metric: str, points: list[tuple[str, int | None, int | None, float]]) -> float | None:
+def intermediate_value(
+    metric: str, points: list[tuple[str, int | None, int | None, float]]
+) -> float | None:
     """The per-evaluation counterpart of a summary metric, for Optuna's pruners."""
+
     def values(name: str) -> list[tuple[int | None, float]]:
         return [(layer, v) for n, layer, _h, v in points if n == name]
 
@@ -97,7 +100,7 @@ class StudyRunner:
         self.study = optuna.create_study(
             storage=self.storage,
             study_name=optuna_study_name(study_id),
-            directions=self.spec.directions(),
+            directions=self.spec.directions(),  # type: ignore[arg-type]
             sampler=make_sampler(self.spec, self._constraints),
             pruner=make_pruner(self.spec),
             load_if_exists=True,
@@ -115,10 +118,19 @@ class StudyRunner:
         config = apply_params(self.spec.base, params)
         task = config.task
         if task.data_dir and not Path(task.data_dir).is_absolute() and self.settings.data_dir:
-            task = task.model_copy(update={"data_dir": str(Path(self.settings.data_dir) / task.data_dir)})
-        ckpt_dir = Path(self.settings.resolved_checkpoint_dir()) / f"study-{self.study_id}" / f"trial-{number}"
+            task = task.model_copy(
+                update={"data_dir": str(Path(self.settings.data_dir) / task.data_dir)}
+            )
+        ckpt_dir = (
+            Path(self.settings.resolved_checkpoint_dir())
+            / f"study-{self.study_id}"
+            / f"trial-{number}"
+        )
         config = config.model_copy(
-            update={"task": task, "checkpoint": config.checkpoint.model_copy(update={"dir": str(ckpt_dir)})}
+            update={
+                "task": task,
+                "checkpoint": config.checkpoint.model_copy(update={"dir": str(ckpt_dir)}),
+            }
         )
         return config.model_dump(mode="json", by_alias=True)
 
@@ -194,12 +206,16 @@ class StudyRunner:
             if entry is None:
                 continue
             for name, layer, head, value in points:
-                rows.append({
-                    "trial_id": entry.row_id, "name": name, "step": step,
-                    "layer": NO_INDEX if layer is None else layer,
-                    "head": NO_INDEX if head is None else head,
-                    "value": value if math.isfinite(value) else None,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "trial_id": entry.row_id,
+                        "name": name,
+                        "step": step,
+                        "layer": NO_INDEX if layer is None else layer,
+                        "head": NO_INDEX if head is None else head,
+                        "value": value if math.isfinite(value) else None,
+                    }
+                )
             last_steps[entry.row_id] = max(step, last_steps.get(entry.row_id, 0))
         insert = pg_insert if self.dialect == "postgresql" else sqlite_insert
         with session_scope(self.sessions) as s:
@@ -253,9 +269,14 @@ class StudyRunner:
             final = summary.get("final_val_loss")
             summary["trapped"] = bool(
                 final is not None
-                and M.is_trapped([tuple(p) for p in summary.get("plateaus", [])], last, final,
-                                 ref_loss, float(self.spec.base.trapped_rel_gap))
-            )  # fmt: skip
+                and M.is_trapped(
+                    [tuple(p) for p in summary.get("plateaus", [])],
+                    last,
+                    final,
+                    ref_loss,
+                    float(self.spec.base.trapped_rel_gap),
+                )
+            )
         constraints = [c.violation(summary, steps) for c in self.spec.constraints] or [0.0]
         values: list[float] = []
         for obj in self.spec.objectives:
@@ -265,9 +286,10 @@ class StudyRunner:
         entry.trial.set_user_attr("constraints", constraints)
         entry.trial.set_user_attr("qkscope_status", status)
         state = {
-            "completed": TrialState.COMPLETE, "pruned": TrialState.PRUNED,
+            "completed": TrialState.COMPLETE,
+            "pruned": TrialState.PRUNED,
             "diverged": TrialState.DIVERGED,
-        }[status]  # fmt: skip
+        }[status]
         with session_scope(self.sessions) as s:
             row = s.get(Trial, entry.row_id)
             assert row is not None
@@ -277,8 +299,16 @@ class StudyRunner:
             row.values = [v if math.isfinite(v) else None for v in values]
             row.value = row.values[0]
             row.feasible = all(c <= 0 for c in constraints)
-            for col in ("final_val_loss", "min_norm_entropy", "final_rank_ratio", "qk_eig_var",
-                        "plateau_steps", "entropy_collapse", "rank_collapse", "trapped"):  # fmt: skip
+            for col in (
+                "final_val_loss",
+                "min_norm_entropy",
+                "final_rank_ratio",
+                "qk_eig_var",
+                "plateau_steps",
+                "entropy_collapse",
+                "rank_collapse",
+                "trapped",
+            ):
                 setattr(row, col, summary.get(col))
             row.last_step = int(summary.get("steps_done", row.last_step))
             row.finished_at = utcnow()
@@ -315,7 +345,10 @@ class StudyRunner:
 
     def _cancelled(self) -> bool:
         with session_scope(self.sessions) as s:
-            return s.scalar(select(Study.status).where(Study.id == self.study_id)) == StudyStatus.CANCELLED
+            return (
+                s.scalar(select(Study.status).where(Study.id == self.study_id))
+                == StudyStatus.CANCELLED
+            )
 
     def _cancel_all(self) -> None:
         for ref, entry in list(self.running.items()):
@@ -323,7 +356,11 @@ class StudyRunner:
             with session_scope(self.sessions) as s:
                 row = s.get(Trial, entry.row_id)
                 if row is not None and row.state == TrialState.RUNNING:
-                    row.state, row.finished_at, row.error = TrialState.CANCELLED, utcnow(), "study cancelled"
+                    row.state, row.finished_at, row.error = (
+                        TrialState.CANCELLED,
+                        utcnow(),
+                        "study cancelled",
+                    )
             self.study.tell(entry.trial, state=OptunaState.FAIL, skip_if_finished=True)
         self.running.clear()
 
@@ -341,8 +378,11 @@ class StudyRunner:
                 return StudyStatus.CANCELLED
             asked = len(self.study.get_trials(deepcopy=False))
             out_of_time = timeout is not None and time.monotonic() - t0 > timeout
-            while (len(self.running) < self.spec.parallelism and asked < self.spec.budget.n_trials
-                   and not out_of_time):  # fmt: skip
+            while (
+                len(self.running) < self.spec.parallelism
+                and asked < self.spec.budget.n_trials
+                and not out_of_time
+            ):
                 self._ask_and_launch(inbox)
                 asked += 1
             if not self.running:

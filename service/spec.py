@@ -106,7 +106,9 @@ class FixedParam(_Strict):
     value: Scalar
 
 
-Param = Annotated[FloatParam | IntParam | CategoricalParam | FixedParam, Field(discriminator="type")]
+Param = Annotated[
+    FloatParam | IntParam | CategoricalParam | FixedParam, Field(discriminator="type")
+]
 
 
 class SamplerSpec(_Strict):
@@ -282,7 +284,9 @@ def parse_spec(body: bytes, content_type: str) -> StudySpec:
     else:
         loader = yaml.SafeLoader(text)
         try:
-            if any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)):
+            if any(
+                isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)
+            ):
                 raise SpecError("body", "YAML aliases are not accepted")
             data = loader.get_single_data()
         finally:

@@ -8,8 +8,8 @@ study for the reconciler to launch later, never a job without a row.
 from __future__ import annotations
 
 import logging
-from datetime import UTC
 from collections.abc import Callable, Sequence
+from datetime import UTC
 from typing import Any
 
 import optuna
@@ -160,7 +160,10 @@ def cancel_study(
 
 
 def reconcile(
-    sessions: sessionmaker[Session], launcher: JobLauncher, settings: Settings, grace_s: float = 15.0
+    sessions: sessionmaker[Session],
+    launcher: JobLauncher,
+    settings: Settings,
+    grace_s: float = 15.0,
 ) -> int:
     """Launch PENDING studies and relaunch RUNNING ones whose Ray job is gone or dead.
 

@@ -31,7 +31,8 @@ __all__ = [
 
 def _row_entropy(attn: Tensor) -> Tensor:
     """-sum_j a_ij log a_ij over the last axis, with 0 log 0 = 0."""
-    return -torch.special.xlogy(attn, attn).sum(dim=-1)
+    h: Tensor = -torch.special.xlogy(attn, attn).sum(dim=-1)
+    return h
 
 
 def attention_entropy(attn: Tensor) -> Tensor:

@@ -71,6 +71,9 @@ class SigmaReparamLinear(nn.Module):
     learned and starts at sigma(W), so the layer is unchanged at init.
     """
 
+    u: Tensor
+    v: Tensor
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -94,12 +97,14 @@ class SigmaReparamLinear(nn.Module):
 
     def effective_weight(self) -> Tensor:
         sigma = self.u @ self.weight @ self.v  # (): differentiable in W, u and v fixed
-        return self.gamma / sigma * self.weight
+        w: Tensor = self.gamma / sigma * self.weight
+        return w
 
     def forward(self, x: Tensor) -> Tensor:
         if self.training:
             self._power_iteration()
-        return F.linear(x, self.effective_weight())
+        y: Tensor = F.linear(x, self.effective_weight())
+        return y
 
 
 def _linear(d_in: int, d_out: int, sigma_reparam: bool) -> nn.Module:
@@ -145,7 +150,8 @@ class CausalSelfAttention(nn.Module):
 
     def _merge(self, y: Tensor) -> Tensor:
         b, h, t, dh = y.shape
-        return self.out_proj(y.transpose(1, 2).reshape(b, t, h * dh))  # (B, T, D)
+        out: Tensor = self.out_proj(y.transpose(1, 2).reshape(b, t, h * dh))  # (B, T, D)
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self._heads(x)
@@ -173,7 +179,8 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))  # (B, T, D)
+        y: Tensor = self.drop(self.proj(F.gelu(self.fc(x))))  # (B, T, D)
+        return y
 
 
 class Block(nn.Module):
@@ -232,18 +239,20 @@ class GPT(nn.Module):
         for block in self.blocks:
             assert isinstance(block, Block)
             for proj in (block.attn.q_proj, block.attn.k_proj):
+                assert isinstance(proj, nn.Linear | SigmaReparamLinear)
                 nn.init.normal_(proj.weight, mean=0.0, std=self.cfg.qk_init_std)
                 if isinstance(proj, SigmaReparamLinear):
                     proj.reset_gamma()
 
     def qk_weights(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer, the effective (H, d_h, D) query and key weights."""
-        return [block.attn.qk_weights() for block in self.blocks]  # type: ignore[union-attr]
+        return [block.attn.qk_weights() for block in self.blocks if isinstance(block, Block)]
 
     def _embed(self, idx: Tensor) -> Tensor:
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, D)
+        x: Tensor = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, D)
+        return x
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits (B, T, V) and, with targets (-100 = ignored), the mean cross-entropy."""

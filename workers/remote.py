@@ -31,7 +31,9 @@ class TrialInbox:
         self._reports: list[Report] = []
         self._prune: set[int] = set()
 
-    def put(self, trial: int, step: int, points: list[tuple[str, int | None, int | None, float]]) -> bool:
+    def put(
+        self, trial: int, step: int, points: list[tuple[str, int | None, int | None, float]]
+    ) -> bool:
         self._reports.append((trial, step, points))
         return trial in self._prune
 

@@ -236,7 +236,9 @@ def probe_metrics(model: GPT, probe_x: Tensor) -> list[MetricPoint]:
 
 
 @torch.no_grad()
-def _val_loss(model: GPT, batches: list[tuple[Tensor, Tensor]], ctx: Any, dev: torch.device) -> float:
+def _val_loss(
+    model: GPT, batches: list[tuple[Tensor, Tensor]], ctx: Any, dev: torch.device
+) -> float:
     was_training = model.training
     model.eval()
     total = 0.0
@@ -403,7 +405,7 @@ def run_trial(
             MetricPoint("train_loss", train_loss),
             MetricPoint("val_loss", val),
             MetricPoint("grad_norm", grad_norm),
-            MetricPoint("lr", scheduler.get_last_lr()[0]),
+            MetricPoint("lr", float(scheduler.get_last_lr()[0])),
         ]
         if penalty is not None:
             points.append(MetricPoint("reg_penalty", float(penalty.detach())))

@@ -14,12 +14,16 @@ __all__ = ["ApiError", "install_error_handlers", "validation_errors"]
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, message: str, errors: list[FieldError] | None = None):
+    def __init__(
+        self, status: int, error: str, message: str, errors: list[FieldError] | None = None
+    ):
         super().__init__(message)
         self.status, self.error, self.message, self.errors = status, error, message, errors or []
 
 
-def validation_errors(exc: ValidationError | RequestValidationError, prefix: str = "") -> list[FieldError]:
+def validation_errors(
+    exc: ValidationError | RequestValidationError, prefix: str = ""
+) -> list[FieldError]:
     out = []
     for e in exc.errors():
         loc = [str(x) for x in e["loc"] if x not in ("body", "query", "path")]
@@ -49,5 +53,8 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(
             exc.status_code, "http_error"
         )
-        return _json(exc.status_code, ErrorBody(error=kind, message=str(exc.detail)),
-                     headers=getattr(exc, "headers", None))  # fmt: skip
+        return _json(
+            exc.status_code,
+            ErrorBody(error=kind, message=str(exc.detail)),
+            headers=getattr(exc, "headers", None),
+        )

@@ -49,19 +49,28 @@ async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
             raise ApiError(413, "payload_too_large", f"study definition exceeds {max_bytes} bytes")
     ctype = request.headers.get("content-type", "application/json").lower()
     if not any(k in ctype for k in ("json", "yaml", "yml", "text/plain")):
-        raise ApiError(415, "unsupported_media_type",
-                       f"send application/json or application/yaml, not {ctype!r}")  # fmt: skip
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"send application/json or application/yaml, not {ctype!r}",
+        )
     try:
         return parse_spec(body, ctype)
     except SpecError as e:
-        raise ApiError(422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]) from None
+        raise ApiError(
+            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
+        ) from None
     except ValidationError as e:
         errors = validation_errors(e)
         msg = "; ".join(f"{x.field}: {x.message}" for x in errors)
         raise ApiError(422, "validation_error", msg, errors) from None
     except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ApiError(400, "parse_error", f"body is not valid JSON/YAML: {str(e)[:300]}",
-                       [FieldError(field="body", message="parse error")]) from None  # fmt: skip
+        raise ApiError(
+            400,
+            "parse_error",
+            f"body is not valid JSON/YAML: {str(e)[:300]}",
+            [FieldError(field="body", message="parse error")],
+        ) from None
 
 
 @router.post(
@@ -90,9 +99,11 @@ async def submit_study(
     """Validate a study definition (JSON or YAML), store it, and start its Ray job."""
     spec = await _read_spec(request, settings.max_body_bytes)
     limit_errors = check_limits(
-        spec, max_trials=settings.max_trials, max_steps=settings.max_steps,
+        spec,
+        max_trials=settings.max_trials,
+        max_steps=settings.max_steps,
         max_params=settings.max_params,
-    )  # fmt: skip
+    )
     if limit_errors:
         errors = [FieldError(field=e.field, message=e.message) for e in limit_errors]
         raise ApiError(422, "limit_exceeded", "; ".join(str(e) for e in limit_errors), errors)
@@ -121,7 +132,9 @@ def list_studies(
         q = q.where(Study.status == status_.upper())
     total = session.scalar(select(func.count()).select_from(q.subquery())) or 0
     rows = session.scalars(q.order_by(Study.id.desc()).limit(limit).offset(offset)).all()
-    return Page[StudyOut](items=[StudyOut.of(r) for r in rows], total=total, limit=limit, offset=offset)
+    return Page[StudyOut](
+        items=[StudyOut.of(r) for r in rows], total=total, limit=limit, offset=offset
+    )
 
 
 @router.get("/studies/{study_id}", response_model=StudyOut)
@@ -143,11 +156,19 @@ def _check_param_filter(study: Study, field: str) -> None:
     name = field.removeprefix("params.")
     space = study.spec.get("search_space", {})
     if name not in space:
-        raise ApiError(422, "validation_error", f"{field}: not a parameter of this study",
-                       [FieldError(field="where", message=f"{name!r} is not in the search space")])
+        raise ApiError(
+            422,
+            "validation_error",
+            f"{field}: not a parameter of this study",
+            [FieldError(field="where", message=f"{name!r} is not in the search space")],
+        )
     if space[name].get("type") not in ("float", "int"):
-        raise ApiError(422, "validation_error", f"{field}: only numeric parameters can be compared",
-                       [FieldError(field="where", message=f"{name!r} is categorical")])  # fmt: skip
+        raise ApiError(
+            422,
+            "validation_error",
+            f"{field}: only numeric parameters can be compared",
+            [FieldError(field="where", message=f"{name!r} is categorical")],
+        )
 
 
 @router.get("/studies/{study_id}/trials", response_model=Page[TrialOut])
@@ -171,12 +192,21 @@ def list_trials(
         if sort.lstrip("-+").startswith("params."):
             _check_param_filter(study, sort.lstrip("-+"))
         rows, total = queries.list_trials(
-            session, study_id, states=[s.value for s in state or []], filters=filters,
-            sort=sort, limit=limit, offset=offset,
-        )  # fmt: skip
+            session,
+            study_id,
+            states=[s.value for s in state or []],
+            filters=filters,
+            sort=sort,
+            limit=limit,
+            offset=offset,
+        )
     except queries.QueryError as e:
-        raise ApiError(422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]) from None
-    return Page[TrialOut](items=[TrialOut.of(r) for r in rows], total=total, limit=limit, offset=offset)
+        raise ApiError(
+            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
+        ) from None
+    return Page[TrialOut](
+        items=[TrialOut.of(r) for r in rows], total=total, limit=limit, offset=offset
+    )
 
 
 @router.get("/studies/{study_id}/summary")
@@ -198,8 +228,10 @@ def best_trials(session: SessionDep, study_id: int, feasible_only: bool = True) 
     keys = {r.id: [s * float(v) for s, v in zip(sign, r.values or [], strict=True)] for r in rows}
 
     def dominated(a: list[float]) -> bool:
-        return any(all(x <= y for x, y in zip(keys[o.id], a, strict=True)) and keys[o.id] != a
-                   for o in rows)  # fmt: skip
+        return any(
+            all(x <= y for x, y in zip(keys[o.id], a, strict=True)) and keys[o.id] != a
+            for o in rows
+        )
 
     front = [r for r in rows if not dominated(keys[r.id])]
     front.sort(key=lambda r: keys[r.id])

@@ -43,11 +43,22 @@ def get_metrics(
     """Metric rows ordered by (name, layer, head, step); layer/head null where not applicable."""
     _get_trial(session, trial_id)
     rows = queries.metric_series(
-        session, trial_id, names=name, layer=layer, head=head,
-        step_min=step_min, step_max=step_max, limit=limit,
-    )  # fmt: skip
+        session,
+        trial_id,
+        names=name,
+        layer=layer,
+        head=head,
+        step_min=step_min,
+        step_max=step_max,
+        limit=limit,
+    )
     return [
-        MetricOut(name=r.name, layer=queries.index_or_none(r.layer),
-                  head=queries.index_or_none(r.head), step=r.step, value=r.value)  # fmt: skip
+        MetricOut(
+            name=r.name,
+            layer=queries.index_or_none(r.layer),
+            head=queries.index_or_none(r.head),
+            step=r.step,
+            value=r.value,
+        )
         for r in rows
     ]

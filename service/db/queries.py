@@ -63,12 +63,14 @@ def parse_filter(expr: str) -> TrialFilter:
     """`min_norm_entropy>=0.1` or `params.regularizer.lambda<0.01`."""
     m = _FILTER_RE.match(expr)
     if m is None:
-        raise QueryError("where", f"cannot parse {expr!r}; expected FIELD OP NUMBER, OP one of "
-                                  ">=, <=, >, <, =")  # fmt: skip
+        raise QueryError(
+            "where", f"cannot parse {expr!r}; expected FIELD OP NUMBER, OP one of >=, <=, >, <, ="
+        )
     field, op, raw = m.groups()
     if field not in SORTABLE and not field.startswith("params."):
-        raise QueryError("where", f"unknown field {field!r}; use params.<name> or one of "
-                                  f"{sorted(SORTABLE)}")  # fmt: skip
+        raise QueryError(
+            "where", f"unknown field {field!r}; use params.<name> or one of {sorted(SORTABLE)}"
+        )
     try:
         value = float(raw)
     except ValueError:
@@ -84,8 +86,9 @@ def _sort_column(sort: str) -> Any:
     elif name in SORTABLE:
         col = SORTABLE[name]
     else:
-        raise QueryError("sort", f"unknown field {name!r}; use params.<name> or one of "
-                                 f"{sorted(SORTABLE)}")  # fmt: skip
+        raise QueryError(
+            "sort", f"unknown field {name!r}; use params.<name> or one of {sorted(SORTABLE)}"
+        )
     return (col.desc() if desc else col.asc()).nulls_last()
 
 
@@ -106,9 +109,12 @@ def list_trials(
     where += [f.clause() for f in filters or []]
     total = s.scalar(select(func.count()).select_from(Trial).where(and_(*where))) or 0
     rows = s.scalars(
-        select(Trial).where(and_(*where)).order_by(_sort_column(sort), Trial.number)
-        .limit(limit).offset(offset)
-    ).all()  # fmt: skip
+        select(Trial)
+        .where(and_(*where))
+        .order_by(_sort_column(sort), Trial.number)
+        .limit(limit)
+        .offset(offset)
+    ).all()
     return list(rows), int(total)
 
 
@@ -152,7 +158,9 @@ def study_summary(s: Session, study: Study) -> dict[str, Any]:
     """Counts by state, collapse rates, best value, progress and a naive ETA."""
     counts = dict(
         s.execute(
-            select(Trial.state, func.count()).where(Trial.study_id == study.id).group_by(Trial.state)
+            select(Trial.state, func.count())
+            .where(Trial.study_id == study.id)
+            .group_by(Trial.state)
         ).all()
     )
     by_state = {st.value: int(counts.get(st.value, 0)) for st in TrialState}
@@ -178,7 +186,10 @@ def study_summary(s: Session, study: Study) -> dict[str, Any]:
     parallel = int(study.spec.get("parallelism", 1))
     if agg[4] is not None and study.status == "RUNNING":
         eta = max(0.0, (study.n_trials - done) * float(agg[4]) / max(1, parallel))
-    rate = (lambda x: None if n_measured == 0 else float(x or 0) / n_measured)
+
+    def rate(x: Any) -> float | None:
+        return None if n_measured == 0 else float(x or 0) / n_measured
+
     return {
         "study_id": study.id,
         "status": study.status,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -312,6 +313,7 @@ def test_cli_prints_json_summary(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "workers.trial", str(cfg_path)],
         cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=300,
