@@ -8,6 +8,7 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -173,6 +174,10 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         settings.ray_address = head.start()
+    def _terminate(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)  # docker stop, kill: shut Ray down cleanly too
     api_url = f"http://{args.host}:{args.port}"
     server = uvicorn.Server(
         uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning")
