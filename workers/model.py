@@ -83,10 +83,14 @@ class SigmaReparamLinear(nn.Module):
 
     @torch.no_grad()
     def reset_gamma(self) -> None:
-        """Set gamma to the exact spectral norm of the current weight (call after init)."""
-        self.gamma.copy_(torch.linalg.matrix_norm(self.weight.float(), ord=2))
-        for _ in range(20):
-            self._power_iteration()
+        """Start u, v at the exact top singular pair and gamma at sigma(W) (call after init).
+
+        Then W_hat = W at init exactly, and the power iteration starts converged.
+        """
+        u, s, vh = torch.linalg.svd(self.weight.float(), full_matrices=False)
+        self.u.copy_(u[:, 0])
+        self.v.copy_(vh[0])
+        self.gamma.copy_(s[0])
 
     @torch.no_grad()
     def _power_iteration(self) -> None:
