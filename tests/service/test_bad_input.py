@@ -1,0 +1,930 @@
+"""Hundreds of bad study definitions POSTed to one app per database: always a 4xx with a JSON
+error body that names the field, never a 5xx, and never a row in qk_study."""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import Engine, func, select, text
+from sqlalchemy.orm import Session
+
+from service.app import create_app
+from service.config import Settings
+from service.db.models import Study
+from service.db.session import make_engine
+from service.spec import StudySpec
+
+VALID: dict[str, Any] = {
+    "name": "ok",
+    "budget": {"n_trials": 4},
+    "search_space": {
+        "optim.lr": {"type": "float", "low": 0.0001, "high": 0.01, "log": True},
+        "model.norm": {"type": "categorical", "choices": ["pre", "post"]},
+    },
+    "constraints": [{"metric": "min_norm_entropy", "op": ">=", "value": 0.1}],
+}
+# Every field spelled out: the tree the "every level" and "every leaf" cases walk.
+FULL: dict[str, Any] = StudySpec.model_validate(VALID).model_dump(mode="json", by_alias=True)
+JSON, YAML = "application/json", "application/yaml"
+
+
+def with_(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of `base` (default VALID) with the '/'-separated `path` set."""
+    data = copy.deepcopy(VALID if base is None else base)
+    keys: list[Any] = []
+    for part in path.split("/"):
+        keys.append(int(part) if part.isdigit() else part)
+    node: Any = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {}) if isinstance(node, dict) else node[k]
+    node[keys[-1]] = value
+    return data
+
+
+def space(path: str, param: Any) -> dict[str, Any]:
+    return {**VALID, "search_space": {path: param}}
+
+
+def yaml_bomb(levels: int = 9) -> bytes:
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return ("\n".join(lines) + "\nname: bomb\nbudget: {n_trials: 1}\n").encode()
+
+
+def deep(levels: int, leaf: Any = 1) -> Any:
+    v = leaf
+    for i in range(levels):
+        v = {f"k{i}": v} if i % 2 else [v]
+    return v
+
+
+# (label, body: dict | bytes, content type, status, field named in the errors or None)
+Case = tuple[str, Any, str, int, str | None]
+CASES: list[Case] = [
+    # wrong types and out-of-range values for top-level fields
+    ("name int", with_("name", 5), JSON, 422, "name"),
+    ("name list", with_("name", ["a"]), JSON, 422, "name"),
+    ("name empty", with_("name", ""), JSON, 422, "name"),
+    ("name bad chars", with_("name", "../etc/passwd"), JSON, 422, "name"),
+    ("name leading dash", with_("name", "-x"), JSON, 422, "name"),
+    ("name too long", with_("name", "n" * 201), JSON, 422, "name"),
+    ("name null", with_("name", None), JSON, 422, "name"),
+    ("description int", with_("description", 7), JSON, 422, "description"),
+    ("description too long", with_("description", "d" * 10_001), JSON, 422, "description"),
+    ("budget int", with_("budget", 5), JSON, 422, "budget"),
+    ("budget list", with_("budget", [5]), JSON, 422, "budget"),
+    ("budget empty", with_("budget", {}), JSON, 422, "budget.n_trials"),
+    ("n_trials 0", with_("budget/n_trials", 0), JSON, 422, "budget.n_trials"),
+    ("n_trials -1", with_("budget/n_trials", -1), JSON, 422, "budget.n_trials"),
+    ("n_trials -1e6", with_("budget/n_trials", -1_000_000), JSON, 422, "budget.n_trials"),
+    ("n_trials huge", with_("budget/n_trials", 10**12), JSON, 422, "budget.n_trials"),
+    ("n_trials enormous", with_("budget/n_trials", 10**30), JSON, 422, "budget.n_trials"),
+    ("n_trials fraction", with_("budget/n_trials", 2.5), JSON, 422, "budget.n_trials"),
+    ("n_trials word", with_("budget/n_trials", "many"), JSON, 422, "budget.n_trials"),
+    ("n_trials null", with_("budget/n_trials", None), JSON, 422, "budget.n_trials"),
+    ("timeout 0", with_("budget/timeout_s", 0), JSON, 422, "budget.timeout_s"),
+    ("timeout negative", with_("budget/timeout_s", -5), JSON, 422, "budget.timeout_s"),
+    ("parallelism 0", with_("parallelism", 0), JSON, 422, "parallelism"),
+    ("parallelism -1", with_("parallelism", -1), JSON, 422, "parallelism"),
+    ("parallelism 257", with_("parallelism", 257), JSON, 422, "parallelism"),
+    ("parallelism word", with_("parallelism", "two"), JSON, 422, "parallelism"),
+    ("max_retries -1", with_("max_retries", -1), JSON, 422, "max_retries"),
+    ("max_retries 11", with_("max_retries", 11), JSON, 422, "max_retries"),
+    # sampler / pruner
+    ("sampler kind bogus", with_("sampler/kind", "bogus"), JSON, 422, "sampler.kind"),
+    ("sampler kind case", with_("sampler/kind", "TPE"), JSON, 422, "sampler.kind"),
+    ("sampler kind int", with_("sampler/kind", 3), JSON, 422, "sampler.kind"),
+    ("sampler string", with_("sampler", "tpe"), JSON, 422, "sampler"),
+    ("sampler seed -1", with_("sampler/seed", -1), JSON, 422, "sampler.seed"),
+    ("sampler seed 2**32", with_("sampler/seed", 2**32), JSON, 422, "sampler.seed"),
+    (
+        "sampler startup -1",
+        with_("sampler/n_startup_trials", -1),
+        JSON,
+        422,
+        "sampler.n_startup_trials",
+    ),
+    (
+        "sampler startup big",
+        with_("sampler/n_startup_trials", 10_001),
+        JSON,
+        422,
+        "sampler.n_startup_trials",
+    ),
+    (
+        "grid sampler no grid",
+        with_("sampler", {"kind": "grid"}),
+        JSON,
+        422,
+        "search_space.optim.lr",
+    ),
+    ("pruner kind bogus", with_("pruner/kind", "sometimes"), JSON, 422, "pruner.kind"),
+    ("pruner percentile 0", with_("pruner/percentile", 0), JSON, 422, "pruner.percentile"),
+    ("pruner percentile 100", with_("pruner/percentile", 100), JSON, 422, "pruner.percentile"),
+    ("pruner warmup -1", with_("pruner/n_warmup_steps", -1), JSON, 422, "pruner.n_warmup_steps"),
+    (
+        "pruner with 2 objectives",
+        {
+            **VALID,
+            "pruner": {"kind": "median"},
+            "objectives": [
+                {"metric": "final_val_loss"},
+                {"metric": "min_norm_entropy", "direction": "maximize"},
+            ],
+        },
+        JSON,
+        422,
+        "pruner",
+    ),
+    # objectives / constraints
+    ("objectives empty", with_("objectives", []), JSON, 422, "objectives"),
+    ("objectives not a list", with_("objectives", "final_val_loss"), JSON, 422, "objectives"),
+    (
+        "objective metric bogus",
+        with_("objectives", [{"metric": "accuracy"}]),
+        JSON,
+        422,
+        "objectives.0.metric",
+    ),
+    (
+        "objective metric int",
+        with_("objectives", [{"metric": 1}]),
+        JSON,
+        422,
+        "objectives.0.metric",
+    ),
+    (
+        "objective direction",
+        with_("objectives", [{"direction": "up"}]),
+        JSON,
+        422,
+        "objectives.0.direction",
+    ),
+    ("five objectives", with_("objectives", [{}] * 5), JSON, 422, "objectives"),
+    (
+        "constraint both",
+        with_(
+            "constraints",
+            [{"metric": "min_norm_entropy", "op": ">=", "value": 0.1, "fraction_of_steps": 0.1}],
+        ),
+        JSON,
+        422,
+        "constraints.0",
+    ),
+    (
+        "constraint neither",
+        with_("constraints", [{"metric": "min_norm_entropy", "op": ">="}]),
+        JSON,
+        422,
+        "constraints.0",
+    ),
+    ("constraint op", with_("constraints/0/op", "=="), JSON, 422, "constraints.0.op"),
+    (
+        "constraint metric",
+        with_("constraints/0/metric", "vibes"),
+        JSON,
+        422,
+        "constraints.0.metric",
+    ),
+    (
+        "constraint fraction 1.5",
+        with_("constraints", [{"metric": "plateau_steps", "op": "<=", "fraction_of_steps": 1.5}]),
+        JSON,
+        422,
+        "constraints.0.fraction_of_steps",
+    ),
+    ("33 constraints", with_("constraints", VALID["constraints"] * 33), JSON, 422, "constraints"),
+    # resources
+    ("cpus 0", with_("resources", {"cpus": 0}), JSON, 422, "resources.cpus"),
+    ("cpus 300", with_("resources", {"cpus": 300}), JSON, 422, "resources.cpus"),
+    ("gpus -1", with_("resources", {"gpus": -1}), JSON, 422, "resources.gpus"),
+    ("gpus 17", with_("resources", {"gpus": 17}), JSON, 422, "resources.gpus"),
+    # base trial config
+    ("base string", with_("base", "default"), JSON, 422, "base"),
+    ("steps 0", with_("base/steps", 0), JSON, 422, "base.steps"),
+    ("steps -1", with_("base/steps", -1), JSON, 422, "base.steps"),
+    ("steps 1e8", with_("base/steps", 10**8), JSON, 422, "base.steps"),
+    ("steps over limit", with_("base/steps", 2_000_000), JSON, 422, "base.steps"),
+    ("steps word", with_("base/steps", "lots"), JSON, 422, "base.steps"),
+    ("batch 0", with_("base/batch_size", 0), JSON, 422, "base.batch_size"),
+    ("batch 5000", with_("base/batch_size", 5000), JSON, 422, "base.batch_size"),
+    ("seed -1", with_("base/seed", -1), JSON, 422, "base.seed"),
+    ("seed 2**31", with_("base/seed", 2**31), JSON, 422, "base.seed"),
+    ("eval_every 0", with_("base/eval_every", 0), JSON, 422, "base.eval_every"),
+    ("device tpu", with_("base/device", "tpu"), JSON, 422, "base.device"),
+    ("dtype fp8", with_("base/dtype", "fp8"), JSON, 422, "base.dtype"),
+    (
+        "threshold 2",
+        with_("base/entropy_collapse_threshold", 2),
+        JSON,
+        422,
+        "base.entropy_collapse_threshold",
+    ),
+    ("layers 0", with_("base/model", {"n_layers": 0}), JSON, 422, "base.model.n_layers"),
+    ("layers 65", with_("base/model", {"n_layers": 65}), JSON, 422, "base.model.n_layers"),
+    ("d_model 3", with_("base/model", {"d_model": 3}), JSON, 422, "base.model.d_model"),
+    ("heads do not divide", with_("base/model", {"n_heads": 3}), JSON, 422, "base.model"),
+    ("norm sideways", with_("base/model", {"norm": "sideways"}), JSON, 422, "base.model.norm"),
+    ("qk_norm bogus", with_("base/model", {"qk_norm": "l3"}), JSON, 422, "base.model.qk_norm"),
+    ("dropout 1", with_("base/model", {"dropout": 1.0}), JSON, 422, "base.model.dropout"),
+    ("qk_init_std 0", with_("base/model", {"qk_init_std": 0}), JSON, 422, "base.model.qk_init_std"),
+    ("skip string", with_("base/model", {"skip": "perhaps"}), JSON, 422, "base.model.skip"),
+    (
+        "model too big",
+        with_("base/model", {"n_layers": 64, "d_model": 8192, "n_heads": 64}),
+        JSON,
+        422,
+        "base.model",
+    ),
+    ("task kind", with_("base/task", {"kind": "chess"}), JSON, 422, "base.task.kind"),
+    ("seq_len 2", with_("base/task", {"seq_len": 2}), JSON, 422, "base.task.seq_len"),
+    ("lr 0", with_("base/optim", {"lr": 0}), JSON, 422, "base.optim.lr"),
+    ("lr 11", with_("base/optim", {"lr": 11}), JSON, 422, "base.optim.lr"),
+    ("optim name", with_("base/optim", {"name": "adam"}), JSON, 422, "base.optim.name"),
+    ("beta1 1", with_("base/optim", {"beta1": 1.0}), JSON, 422, "base.optim.beta1"),
+    ("grad_clip 0", with_("base/optim", {"grad_clip": 0}), JSON, 422, "base.optim.grad_clip"),
+    (
+        "warmup > steps",
+        with_("base", {"steps": 5, "optim": {"warmup_steps": 10}}),
+        JSON,
+        422,
+        "base",
+    ),
+    ("lambda -1", with_("base/regularizer", {"lambda": -1}), JSON, 422, "base.regularizer.lambda"),
+    (
+        "regularizer kind",
+        with_("base/regularizer", {"kind": "magic"}),
+        JSON,
+        422,
+        "base.regularizer.kind",
+    ),
+    # unknown fields at several levels (the walk below adds one at every level)
+    ("unknown top", with_("colour", "red"), JSON, 422, "colour"),
+    ("unknown model", with_("base/model", {"n_layer": 2}), JSON, 422, "base.model.n_layer"),
+    ("unknown budget", with_("budget/trials", 3), JSON, 422, "budget.trials"),
+    (
+        "regularizer lam alias",
+        with_("base/regularizer", {"lambda_": 0.1}),
+        JSON,
+        422,
+        "base.regularizer.lambda_",
+    ),
+    # search space
+    ("space not a mapping", with_("search_space", ["optim.lr"]), JSON, 422, "search_space"),
+    (
+        "path unknown leaf",
+        space("model.nope", {"type": "fixed", "value": 1}),
+        JSON,
+        422,
+        "search_space.model.nope",
+    ),
+    (
+        "path unknown section",
+        space("nope.lr", {"type": "fixed", "value": 1}),
+        JSON,
+        422,
+        "search_space.nope.lr",
+    ),
+    (
+        "path is a section",
+        space("model", {"type": "fixed", "value": 1}),
+        JSON,
+        422,
+        "search_space.model",
+    ),
+    (
+        "path too deep",
+        space("model.norm.x", {"type": "fixed", "value": 1}),
+        JSON,
+        422,
+        "search_space.model.norm.x",
+    ),
+    ("path empty", space("", {"type": "fixed", "value": 1}), JSON, 422, "search_space"),
+    (
+        "path dots",
+        space("model..norm", {"type": "fixed", "value": "pre"}),
+        JSON,
+        422,
+        "search_space",
+    ),
+    (
+        "path python name",
+        space("regularizer.lam", {"type": "float", "low": 0.1, "high": 1.0}),
+        JSON,
+        422,
+        "search_space.regularizer.lam",
+    ),
+    ("param not a mapping", space("optim.lr", 0.01), JSON, 422, "search_space.optim.lr"),
+    (
+        "param no type",
+        space("optim.lr", {"low": 0.1, "high": 1.0}),
+        JSON,
+        422,
+        "search_space.optim.lr",
+    ),
+    (
+        "param bad type",
+        space("optim.lr", {"type": "double", "low": 0.1, "high": 1.0}),
+        JSON,
+        422,
+        "search_space.optim.lr",
+    ),
+    (
+        "float low == high",
+        space("optim.lr", {"type": "float", "low": 0.1, "high": 0.1}),
+        JSON,
+        422,
+        "search_space.optim.lr",
+    ),
+    (
+        "float low > high",
+        space("optim.lr", {"type": "float", "low": 0.1, "high": 0.01}),
+        JSON,
+        422,
+        "search_space.optim.lr",
+    ),
+    (
+        "int low > high",
+        space("model.n_layers", {"type": "int", "low": 4, "high": 2}),
+        JSON,
+        422,
+        "search_space.model.n_layers",
+    ),
+    (
+        "float log low 0",
+        space("optim.lr", {"type": "float", "low": 0, "high": 0.1, "log": True}),
+        JSON,
+        422,
+        "search_space.optim.lr",
+    ),
+    (
+        "float log low < 0",
+        space("base.x", {"type": "float", "low": -1, "high": 0.1, "log": True}),
+        JSON,
+        422,
+        "search_space.base.x",
+    ),
+    (
+        "int log low 0",
+        space("model.n_layers", {"type": "int", "low": 0, "high": 4, "log": True}),
+        JSON,
+        422,
+        "search_space.model.n_layers",
+    ),
+    (
+        "int step 0",
+        space("model.n_layers", {"type": "int", "low": 1, "high": 4, "step": 0}),
+        JSON,
+        422,
+        "search_space.model.n_layers",
+    ),
+    (
+        "int fractional bound",
+        space("model.n_layers", {"type": "int", "low": 1.5, "high": 4}),
+        JSON,
+        422,
+        "search_space.model.n_layers",
+    ),
+    (
+        "empty choices",
+        space("model.norm", {"type": "categorical", "choices": []}),
+        JSON,
+        422,
+        "search_space.model.norm",
+    ),
+    (
+        "choices not a list",
+        space("model.norm", {"type": "categorical", "choices": "pre"}),
+        JSON,
+        422,
+        "search_space.model.norm",
+    ),
+    (
+        "choice is a mapping",
+        space("model.norm", {"type": "categorical", "choices": [{"a": 1}]}),
+        JSON,
+        422,
+        "search_space.model.norm",
+    ),
+    (
+        "choice invalid for field",
+        space("model.norm", {"type": "categorical", "choices": ["pre", "sideways"]}),
+        JSON,
+        422,
+        "search_space.model.norm",
+    ),
+    (
+        "range outside field",
+        space("model.dropout", {"type": "float", "low": 0.1, "high": 1.5}),
+        JSON,
+        422,
+        "search_space.model.dropout",
+    ),
+    (
+        "fixed no value",
+        space("model.norm", {"type": "fixed"}),
+        JSON,
+        422,
+        "search_space.model.norm",
+    ),
+    (
+        "grid empty",
+        space("optim.lr", {"type": "float", "low": 0.001, "high": 0.1, "grid": []}),
+        JSON,
+        422,
+        "search_space.optim.lr",
+    ),
+    (
+        "grid too long",
+        space("optim.lr", {"type": "float", "low": 0.001, "high": 0.1, "grid": [0.01] * 1001}),
+        JSON,
+        422,
+        "search_space.optim.lr",
+    ),
+    (
+        "grid value invalid",
+        space("model.n_layers", {"type": "int", "low": 1, "high": 4, "grid": [99]}),
+        JSON,
+        422,
+        "search_space.model.n_layers",
+    ),
+    (
+        "param unknown key",
+        space("optim.lr", {"type": "float", "low": 0.1, "high": 1.0, "logg": True}),
+        JSON,
+        422,
+        "search_space.optim.lr.logg",
+    ),
+    (
+        "65 parameters",
+        with_("search_space", {f"p{i}": {"type": "fixed", "value": i} for i in range(65)}),
+        JSON,
+        422,
+        "search_space",
+    ),
+    (
+        "steps search too big",
+        space("steps", {"type": "int", "low": 10, "high": 5_000_000}),
+        JSON,
+        422,
+        "base.steps",
+    ),
+    (
+        "d_model search too big",
+        {
+            **VALID,
+            "search_space": {
+                "model.d_model": {"type": "categorical", "choices": [64, 8192]},
+                "model.n_layers": {"type": "int", "low": 1, "high": 64},
+            },
+        },
+        JSON,
+        422,
+        "base.model",
+    ),
+    # bodies that are not a mapping
+    ("json list", b"[1, 2]", JSON, 422, "body"),
+    ("json string", b'"study"', JSON, 422, "body"),
+    ("json number", b"42", JSON, 422, "body"),
+    ("json null", b"null", JSON, 422, "body"),
+    ("json true", b"true", JSON, 422, "body"),
+    ("yaml scalar", b"just words\n", YAML, 422, "body"),
+    ("yaml list", b"- name: t\n- budget: {n_trials: 1}\n", YAML, 422, "body"),
+    ("yaml empty", b"", YAML, 422, "body"),
+    ("yaml comment only", b"# nothing\n", YAML, 422, "body"),
+    ("yaml int keys", b"1: 2\n3: 4\n", YAML, 422, None),
+    ("yaml date name", b"name: 2024-01-01\nbudget: {n_trials: 1}\n", YAML, 422, "name"),
+    # YAML features that are refused
+    ("yaml alias bomb", yaml_bomb(), YAML, 422, "body"),
+    ("yaml small alias", b"x: &n 3\nname: t\nbudget: {n_trials: *n}\n", YAML, 422, "body"),
+    ("yaml merge key", b"d: &d {n_trials: 1}\nname: t\nbudget: {<<: *d}\n", YAML, 422, "body"),
+    (
+        "yaml python tag",
+        b'name: !!python/object/apply:os.system ["true"]\nbudget: {n_trials: 1}\n',
+        YAML,
+        400,
+        "body",
+    ),
+    ("yaml two documents", b"name: t\n---\nbudget: {n_trials: 1}\n", YAML, 400, "body"),
+    ("yaml unhashable key", b"? [1, 2]\n: 3\n", YAML, 400, "body"),
+    ("yaml broken", b"name: [unclosed\n", YAML, 400, "body"),
+    ("yaml tab indent", b"name: t\nbudget:\n\tn_trials: 1\n", YAML, 400, "body"),
+    # unparseable JSON
+    ("json truncated", b'{"name": "t", "budget": {', JSON, 400, "body"),
+    ("json single quotes", b"{'name': 't'}", JSON, 400, "body"),
+    ("json trailing comma", b'{"name": "t",}', JSON, 400, "body"),
+    ("json empty", b"", JSON, 400, "body"),
+    ("json two values", b"{} {}", JSON, 400, "body"),
+    # deeply nested junk (within what the parsers handle)
+    ("nested junk unknown key", with_("junk", deep(100)), JSON, 422, "junk"),
+    ("nested junk in name", with_("name", deep(100)), JSON, 422, "name"),
+    (
+        "nested junk in choices",
+        space("model.norm", {"type": "categorical", "choices": [deep(50)]}),
+        JSON,
+        422,
+        "search_space.model.norm",
+    ),
+    (
+        "nested junk yaml",
+        ("name: t\nbudget: {n_trials: 1}\njunk: " + json.dumps(deep(40)) + "\n").encode(),
+        YAML,
+        422,
+        "junk",
+    ),
+    # bytes that are not UTF-8
+    ("latin-1 yaml", "name: café\nbudget: {n_trials: 1}\n".encode("latin-1"), YAML, 400, "body"),
+    (
+        "latin-1 json",
+        '{"name": "café", "budget": {"n_trials": 1}}'.encode("latin-1"),
+        JSON,
+        400,
+        "body",
+    ),
+    ("utf-16 json", json.dumps(VALID).encode("utf-16"), JSON, 400, "body"),
+    ("random bytes", bytes(range(128, 256)), JSON, 400, "body"),
+    (
+        "lone surrogate bytes",
+        b'{"name": "\xed\xa0\x80", "budget": {"n_trials": 1}}',
+        JSON,
+        400,
+        "body",
+    ),
+    (
+        "escaped lone surrogate",
+        b'{"name": "ok", "description": "\\ud800", "budget": {"n_trials": 1}}',
+        JSON,
+        422,
+        "description",
+    ),
+    # transport-level problems
+    ("xml", b"<study><name>t</name></study>", "application/xml", 415, None),
+    ("form", b"name=t&budget=1", "application/x-www-form-urlencoded", 415, None),
+    ("too large", with_("description", "x" * 300_000), JSON, 413, None),
+]
+
+
+def _walk(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    yield path, node
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, (*path, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, (*path, i))
+
+
+def _set(data: Any, path: tuple[Any, ...], value: Any) -> Any:
+    out = copy.deepcopy(data)
+    node = out
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return out
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+MAPPINGS = [p for p, v in _walk(FULL) if isinstance(v, dict)]
+LEAVES = [p for p, v in _walk(FULL) if not isinstance(v, dict | list)]
+# An unknown field at every level of the definition (in search_space it is an unknown path).
+CASES += [
+    (
+        f"unknown at {_dotted(p) or 'top'}",
+        _set(FULL, (*p, "zz_unknown"), 1) if p else {**FULL, "zz_unknown": 1},
+        JSON,
+        422,
+        _dotted((*p, "zz_unknown")),
+    )
+    for p in MAPPINGS
+]
+# A mapping where every leaf (string, number, bool, null) should be.
+CASES += [
+    (
+        f"mapping at {_dotted(p)}",
+        _set(FULL, p, {"junk": [1, 2]}),
+        JSON,
+        422,
+        _dotted(p[:-1] if p[-1] == "type" else p),
+    )
+    for p in LEAVES
+]
+assert len(CASES) >= 100
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def bad_db(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('bad') / 'qkscope.db'}"
+        return
+    import psycopg
+
+    admin = request.getfixturevalue("pg_server")
+    name = f"qkscope_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{admin.rsplit('/', 1)[0]}/{name}"
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="module")
+def app_client(bad_db: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    s = Settings(
+        database_url=bad_db, ray_address="", api_tokens="", home=tmp_path_factory.mktemp("h")
+    )
+    with TestClient(create_app(s, reconcile_loop=False), raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine(app_client: TestClient, bad_db: str) -> Iterator[Engine]:
+    eng = make_engine(bad_db)
+    yield eng
+    eng.dispose()
+
+
+def n_studies(engine: Engine) -> int:
+    with Session(engine) as s:
+        return int(s.scalar(select(func.count()).select_from(Study)) or 0)
+
+
+def _subsequence(want: list[str], have: list[str]) -> bool:
+    it = iter(have)
+    return all(any(w == h for h in it) for w in want)
+
+
+def names_field(body: dict[str, Any], field: str) -> bool:
+    """The error names `field`: exactly, or with pydantic's union tags in between, or, for the
+    spec's cross-field checks that are reported against 'body', in the message."""
+    want = field.split(".")
+    if any(_subsequence(want, e["field"].split(".")) for e in body["errors"]):
+        return True
+    return any(e["field"] == "body" for e in body["errors"]) and field in body["message"]
+
+
+def post(c: TestClient, body: Any, ctype: str) -> Any:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return c.post("/v1/studies", content=content, headers={"content-type": ctype})
+
+
+def check_rejected(c: TestClient, body: Any, ctype: str, label: str = "") -> dict[str, Any]:
+    r = post(c, body, ctype)
+    assert 400 <= r.status_code < 500, (label, r.status_code, r.text[:300])
+    assert r.headers["content-type"].startswith("application/json"), label
+    out = r.json()
+    assert set(out) == {"error", "message", "errors"}, (label, out)
+    assert isinstance(out["errors"], list) and isinstance(out["message"], str)
+    assert all(isinstance(e["field"], str) and e["field"] for e in out["errors"]), out
+    if r.status_code in (400, 422):
+        assert out["errors"], (label, out)
+    out["status"] = r.status_code
+    return dict(out)
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+def test_every_bad_definition_is_a_4xx_naming_its_field_and_writes_nothing(
+    app_client: TestClient, engine: Engine
+) -> None:
+    assert n_studies(engine) == 0
+    failures = []
+    for label, body, ctype, status, field in CASES:
+        out = check_rejected(app_client, body, ctype, label)
+        if out["status"] != status:
+            failures.append((label, "status", status, out["status"], out["message"][:200]))
+        elif field is not None and not names_field(out, field):
+            failures.append(
+                (label, "field", field, [e["field"] for e in out["errors"]], out["message"][:200])
+            )
+    assert not failures, "\n".join(map(str, failures))
+    assert n_studies(engine) == 0
+
+
+def test_the_valid_base_definition_is_accepted() -> None:
+    """Guard: the cases above fail for their own reason, not because VALID is broken."""
+    spec = StudySpec.model_validate(VALID)
+    assert spec.search_space and spec.constraints
+    StudySpec.model_validate(FULL)
+
+
+# --- generated junk ---------------------------------------------------------------------------
+
+SETTINGS = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
+junk = st.recursive(
+    scalars,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=8,
+)
+containers = st.lists(junk, min_size=1, max_size=3) | st.dictionaries(
+    st.text(max_size=5), junk, min_size=1, max_size=3
+)
+
+
+@SETTINGS
+@given(value=junk, ctype=st.sampled_from([JSON, YAML]))
+def test_generated_junk_bodies_are_rejected(
+    app_client: TestClient, engine: Engine, value: Any, ctype: str
+) -> None:
+    assume(not (isinstance(value, dict) and "budget" in value and "name" in value))
+    check_rejected(app_client, value, ctype)
+    assert n_studies(engine) == 0
+
+
+@SETTINGS
+@given(leaf=st.sampled_from(LEAVES), value=containers)
+def test_containers_in_place_of_any_leaf_name_the_leaf(
+    app_client: TestClient, engine: Engine, leaf: tuple[Any, ...], value: Any
+) -> None:
+    out = check_rejected(app_client, _set(FULL, leaf, value), JSON)
+    assert out["status"] == 422
+    want = _dotted(leaf[:-1] if leaf[-1] == "type" else leaf)
+    assert names_field(out, want), (want, out)
+    assert n_studies(engine) == 0
+
+
+@SETTINGS
+@given(at=st.sampled_from(MAPPINGS), key=st.text(min_size=1, max_size=12), value=junk)
+def test_unknown_keys_at_any_level_are_named(
+    app_client: TestClient, engine: Engine, at: tuple[Any, ...], key: str, value: Any
+) -> None:
+    key = "zz" + key
+    data = _set(FULL, (*at, key), value) if at else {**FULL, key: value}
+    out = check_rejected(app_client, data, JSON)
+    assert out["status"] == 422
+    assert names_field(out, _dotted((*at, key))), out
+    assert n_studies(engine) == 0
+
+
+@SETTINGS
+@given(raw=st.binary(max_size=200), ctype=st.sampled_from([JSON, YAML, "text/plain"]))
+def test_random_bytes_are_rejected(
+    app_client: TestClient, engine: Engine, raw: bytes, ctype: str
+) -> None:
+    check_rejected(app_client, raw, ctype)
+    assert n_studies(engine) == 0
+
+
+@SETTINGS
+@given(doc=st.text(max_size=200))
+def test_random_yaml_text_is_rejected(app_client: TestClient, engine: Engine, doc: str) -> None:
+    check_rejected(app_client, doc.encode(), YAML)
+    assert n_studies(engine) == 0
+
+
+# --- bugs found: these return 500 or store what they should refuse ----------------------------
+
+
+def _xfail_cases(
+    app_client: TestClient, engine: Engine, cases: list[tuple[str, bytes, str]]
+) -> None:
+    try:
+        bad = []
+        for label, body, ctype in cases:
+            r = post(app_client, body, ctype)
+            if not 400 <= r.status_code < 500:
+                bad.append((label, r.status_code))
+        assert not bad, bad
+        assert n_studies(engine) == 0
+    finally:
+        with engine.begin() as conn:  # keep the table empty for the tests after this one
+            conn.execute(text("DELETE FROM qk_study"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG service/spec.py parse_spec / service/api/studies.py "
+    "_read_spec: RecursionError from deeply nested JSON/YAML is not caught -> 500",
+)
+def test_deeply_nested_bodies_are_client_errors(app_client: TestClient, engine: Engine) -> None:
+    n = 2000  # past the default recursion limit of 1000
+    _xfail_cases(
+        app_client,
+        engine,
+        [
+            (
+                "json",
+                b'{"name": "t", "budget": {"n_trials": 1}, "junk": ' + b"[" * n + b"]" * n + b"}",
+                JSON,
+            ),
+            (
+                "yaml",
+                b"name: t\nbudget: {n_trials: 1}\njunk: " + b"[" * 500 + b"]" * 500 + b"\n",
+                YAML,
+            ),
+        ],
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG service/api/studies.py _read_spec: parse_spec runs "
+    "PyYAML (pure Python, superlinear in nesting depth) on the event loop: a 4 KB "
+    "nested YAML body blocks every request for seconds (100 KB: minutes)",
+)
+def test_nested_yaml_is_refused_quickly(tmp_path: Path) -> None:
+    import time
+
+    s = Settings(
+        database_url=f"sqlite:///{tmp_path / 'q.db'}", ray_address="", api_tokens="", home=tmp_path
+    )
+    with TestClient(create_app(s, reconcile_loop=False), raise_server_exceptions=False) as c:
+        body = b"junk: " + b"[" * 2000 + b"]" * 2000 + b"\n"
+        t0 = time.perf_counter()
+        r = post(c, body, YAML)
+        elapsed = time.perf_counter() - t0
+    assert 400 <= r.status_code < 500 and elapsed < 1.0, (r.status_code, elapsed)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG service/api/studies.py _read_spec: the ValueError "
+    "from an integer literal over Python's 4300-digit limit is not caught -> 500",
+)
+def test_giant_integer_literals_are_client_errors(app_client: TestClient, engine: Engine) -> None:
+    digits = b"1" * 5000
+    _xfail_cases(
+        app_client,
+        engine,
+        [
+            ("json", b'{"name": "t", "budget": {"n_trials": ' + digits + b"}}", JSON),
+            ("yaml", b"name: t\nbudget: {n_trials: " + digits + b"}\n", YAML),
+        ],
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG service/spec.py: NaN/Infinity are accepted (201 on "
+    "SQLite, stored as non-standard JSON; 500 on PostgreSQL, whose json type refuses them)",
+)
+def test_non_finite_numbers_are_client_errors(app_client: TestClient, engine: Engine) -> None:
+    _xfail_cases(
+        app_client,
+        engine,
+        [
+            (
+                "json Infinity timeout",
+                b'{"name": "t", "budget": {"n_trials": 1, "timeout_s": Infinity}}',
+                JSON,
+            ),
+            (
+                "json NaN constraint",
+                b'{"name": "t", "budget": {"n_trials": 1}, "constraints": '
+                b'[{"metric": "final_val_loss", "op": "<=", "value": NaN}]}',
+                JSON,
+            ),
+            ("yaml .inf timeout", b"name: t\nbudget: {n_trials: 1, timeout_s: .inf}\n", YAML),
+            (
+                "yaml .inf high",
+                b"name: t\nbudget: {n_trials: 1}\nsearch_space:\n"
+                b"  trapped_rel_gap: {type: float, low: 0.1, high: .inf}\n",
+                YAML,
+            ),
+        ],
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG service/spec.py check_limits: int(v) on a string "
+    "choice for 'steps' that pydantic accepted ('100.0') raises ValueError -> 500",
+)
+def test_string_step_choices_are_client_errors(app_client: TestClient, engine: Engine) -> None:
+    body = {
+        **VALID,
+        "search_space": {"steps": {"type": "categorical", "choices": ["100.0", "200"]}},
+    }
+    _xfail_cases(app_client, engine, [("steps '100.0'", json.dumps(body).encode(), JSON)])
