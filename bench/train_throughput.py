@@ -7,10 +7,12 @@ what a trial does: per-step loss checks, validation and the probe metrics every 
 steps (TrialConfig defaults), reporting to a reporter that records. The bare loop does none of
 that and never synchronises with the host inside the loop.
 
-Runs are interleaved in one process (warm-up, then bare / run_trial alternately, order swapped
-on every repeat) and the medians compared. The headline ratio is training-loop tokens/s
-(run_trial's own loop timer, setup excluded, against the bare loop's); the end-to-end column
-also counts run_trial's setup (task, model, optimizer, probe batch). Target: ratio >= 0.95.
+Runs are interleaved in one process (warm-up, then bare / run_trial pairs, order swapped on
+every repeat). The headline ratio is the median over pairs of run_trial's training-loop
+tokens/s (its own timer, setup excluded) over the bare loop's; "e2e" also counts run_trial's
+setup (task, model, optimizer, probe batch); "best ratio" compares the fastest run of each
+kind, which is the less disturbed number on a shared machine. Target: ratio >= 0.95. A
+wall-clock budget (--budget-s) trims repeats and configs on a slow or busy machine.
 
     python -m bench.train_throughput            # default: < 3 minutes on 2 CPU cores
     python -m bench.train_throughput --quick    # a smoke run
@@ -19,6 +21,7 @@ also counts run_trial's setup (task, model, optimizer, probe batch). Target: rat
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -132,24 +135,34 @@ class Row:
     call: float  # median tokens/s, whole run_trial call
     ratio: float  # median over repeats of loop / bare of the adjacent pair
     call_ratio: float
+    best_ratio: float  # best run_trial loop tokens/s over best bare (robust to interference)
     repeats: int
     n_reports: int
 
 
-def measure(name: str, config: TrialConfig, repeats: int, warmup_steps: int) -> Row:
-    """Warm up, then `repeats` interleaved pairs (ABBA order); medians of the pairs."""
+def measure(
+    name: str, config: TrialConfig, repeats: int, warmup_steps: int, deadline: float | None
+) -> Row:
+    """Warm up, then up to `repeats` interleaved pairs (ABBA order); medians of the pairs.
+
+    Stops early (after at least one pair) when another pair would pass `deadline`.
+    """
     warm = config.model_copy(update={"steps": warmup_steps})
     bare_loop(warm)
     trial_run(warm)
     bare: list[float] = []
     runs: list[TrialRun] = []
     for r in range(repeats):
+        t0 = time.perf_counter()
         if r % 2 == 0:
             bare.append(bare_loop(config))
             runs.append(trial_run(config))
         else:
             runs.append(trial_run(config))
             bare.append(bare_loop(config))
+        now = time.perf_counter()
+        if deadline is not None and now + (now - t0) > deadline:
+            break
     med = statistics.median
     return Row(
         name=name,
@@ -158,9 +171,17 @@ def measure(name: str, config: TrialConfig, repeats: int, warmup_steps: int) -> 
         call=med(r.call_tps for r in runs),
         ratio=med(r.loop_tps / b for r, b in zip(runs, bare, strict=True)),
         call_ratio=med(r.call_tps / b for r, b in zip(runs, bare, strict=True)),
-        repeats=repeats,
+        best_ratio=max(r.loop_tps for r in runs) / max(bare),
+        repeats=len(bare),
         n_reports=runs[0].n_reports,
     )
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return 0.0
 
 
 def estimate_run_s(config: TrialConfig, warmup_steps: int) -> float:
@@ -199,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--budget-s",
         type=float,
-        default=170.0,
+        default=150.0,
         help="wall-clock budget: fewer repeats / configs when a slow (or busy) machine would "
-        "overrun it (default 170; 0 = no limit)",
+        "overrun it (default 150; 0 = no limit)",
     )
     args = p.parse_args(argv)
     if args.steps is None:
@@ -214,51 +235,64 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[Row] = []
     notes: list[str] = []
+    load_before = _load()
     t_start = time.perf_counter()
+    deadline = t_start + args.budget_s if args.budget_s > 0 else None
     all_configs = configs(args)
     for name, cfg in all_configs:
         repeats = args.repeats
-        if args.budget_s > 0:
-            left = args.budget_s - (time.perf_counter() - t_start)
+        if deadline is not None:
+            left = deadline - time.perf_counter()
             # warm-up pair + estimate ~ 0.3 of a run; each repeat is two runs (+10% for probes)
             per_run = estimate_run_s(cfg, warmup_steps) * 1.1
             fits = int((left - 0.5 * per_run) // (2 * per_run))
             if fits < 1 and rows:
                 notes.append(f"{name}: skipped, over the {args.budget_s:.0f} s budget")
                 continue
-            if fits < repeats:
-                repeats = max(1, fits)
-                notes.append(f"{name}: {repeats} repeat(s) instead of {args.repeats} (budget)")
-        rows.append(measure(name, cfg, repeats, warmup_steps))
+            repeats = max(1, min(repeats, fits))
+        row = measure(name, cfg, repeats, warmup_steps, deadline)
+        if row.repeats < args.repeats:
+            notes.append(f"{name}: {row.repeats} repeat(s) instead of {args.repeats} (budget)")
+        rows.append(row)
     total = time.perf_counter() - t_start
 
     first = all_configs[0][1]
     device = resolve_device(first)
     print(
         f"train_throughput: device={device} torch={torch.__version__} "
-        f"threads={torch.get_num_threads()} steps={args.steps} "
+        f"threads={torch.get_num_threads()} cpus={os.cpu_count()} steps={args.steps} "
         f"batch={first.batch_size} seq_len={first.task.seq_len} task={first.task.kind} "
         f"eval_every={first.eval_every} eval_batches={first.eval_batches} "
         f"probe_batch={first.probe_batch_size}"
     )
     header = (
         f"{'config':<32} {'bare tok/s':>11} {'run_trial tok/s':>16} {'ratio':>6} "
-        f"{'end-to-end tok/s':>17} {'e2e ratio':>9} {'repeats':>7} {'reports':>7}"
+        f"{'e2e tok/s':>10} {'e2e ratio':>9} {'best ratio':>10} {'repeats':>7} {'reports':>7}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
             f"{r.name:<32} {r.bare:>11,.0f} {r.loop:>16,.0f} {r.ratio:>6.3f} "
-            f"{r.call:>17,.0f} {r.call_ratio:>9.3f} {r.repeats:>7} {r.n_reports:>7}"
+            f"{r.call:>10,.0f} {r.call_ratio:>9.3f} {r.best_ratio:>10.3f} {r.repeats:>7} "
+            f"{r.n_reports:>7}"
         )
     for note in notes:
         print(f"note: {note}")
+    load_after = _load()
+    cpus = os.cpu_count() or 1
+    if max(load_before, load_after) > 0.75 * cpus:
+        print(
+            f"warning: machine busy (1-min load {load_before:.1f} before, {load_after:.1f} after, "
+            f"{cpus} CPUs): other processes distort these timings; compare 'best ratio' or "
+            "rerun on an idle machine (--threads 1 is far less sensitive on a shared CPU)"
+        )
     worst = min(r.ratio for r in rows)
     verdict = "meets" if worst >= TARGET_RATIO else "is BELOW"
     print(
         f"measured ratio (run_trial / bare training tokens/s, median of paired runs): "
-        f"{worst:.3f}, which {verdict} the {TARGET_RATIO} target; total {total:.1f} s"
+        f"{worst:.3f}, which {verdict} the {TARGET_RATIO} target "
+        f"(best-of ratio {min(r.best_ratio for r in rows):.3f}); total {total:.1f} s"
     )
     return 0
 

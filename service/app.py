@@ -83,6 +83,23 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
     app.include_router(studies.router, dependencies=auth)
     app.include_router(trials.router, dependencies=auth)
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the StudySpec the raw-body POST refers to."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            spec = StudySpec.model_json_schema(
+                by_alias=True, ref_template="#/components/schemas/{model}"
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(spec.pop("$defs", {}))
+            components["StudySpec"] = spec
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:
         return {"status": "ok"}

@@ -174,6 +174,7 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         settings.ray_address = head.start()
+
     def _terminate(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 

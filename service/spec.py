@@ -57,7 +57,7 @@ SummaryMetric = Literal[
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class FloatParam(_Strict):
@@ -189,17 +189,17 @@ class StudySpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
         if len(self.objectives) > 1 and self.pruner.kind != "none":
-            raise ValueError("pruning needs a single objective: set pruner.kind to none")
+            raise SpecError("pruner.kind", "pruning needs a single objective: set it to none")
         if self.sampler.kind == "grid":
             for path, p in self.search_space.items():
                 if isinstance(p, FloatParam | IntParam) and p.grid is None:
-                    raise ValueError(f"grid sampler: search_space.{path} needs a 'grid' list")
+                    raise SpecError(f"search_space.{path}", "the grid sampler needs a 'grid' list")
         for path, param in self.search_space.items():
             for value in _extremes(param):
                 try:
                     apply_params(self.base, {path: value})
                 except SpecError as e:
-                    raise ValueError(f"search_space.{path}: {e.message}") from None
+                    raise SpecError(f"search_space.{path}", e.message) from None
         return self
 
     def directions(self) -> list[str]:
@@ -256,7 +256,7 @@ def check_limits(
     for path, p in spec.search_space.items():
         values = _extremes(p)
         if path == "steps":
-            worst["steps"] = max(int(v) for v in values)
+            worst["steps"] = max(int(float(v)) for v in values)
     if worst["steps"] > max_steps:
         errors.append(SpecError("base.steps", f"{worst['steps']} > limit {max_steps}"))
     largest = {
@@ -275,9 +275,27 @@ def check_limits(
     return errors
 
 
+MAX_NESTING = 128
+
+
+def _check_nesting(text: str) -> None:
+    """Refuse deeply nested documents before a parser spends time (or its stack) on them."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    indent = max((len(line) - len(line.lstrip(" ")) for line in text.splitlines()), default=0)
+    if deepest > MAX_NESTING or indent > 4 * MAX_NESTING:
+        raise SpecError("body", f"nested deeper than {MAX_NESTING} levels")
+
+
 def parse_spec(body: bytes, content_type: str) -> StudySpec:
-    """Parse JSON or YAML (safe loader, no aliases expansion bombs) into a StudySpec."""
+    """Parse JSON or YAML (safe loader, no aliases, bounded nesting) into a StudySpec."""
     text = body.decode("utf-8")
+    _check_nesting(text)
     data: Any
     if "json" in content_type:
         data = json.loads(text)

@@ -14,6 +14,7 @@ from typing import Any
 
 import optuna
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
@@ -85,7 +86,24 @@ def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
 def create_study(
     sessions: sessionmaker[Session], spec: StudySpec, idempotency_key: str | None = None
 ) -> tuple[Study, bool]:
-    """Insert a PENDING study (or return the one with the same idempotency key)."""
+    """Insert a PENDING study (or return the one with the same idempotency key).
+
+    Two concurrent POSTs with one new key race on the unique index: the loser
+    reads the winner's row instead of failing.
+    """
+    try:
+        return _insert_study(sessions, spec, idempotency_key)
+    except IntegrityError:
+        if not idempotency_key:
+            raise
+        with session_scope(sessions) as s:
+            row = s.scalars(select(Study).where(Study.idempotency_key == idempotency_key)).one()
+            return row, False
+
+
+def _insert_study(
+    sessions: sessionmaker[Session], spec: StudySpec, idempotency_key: str | None
+) -> tuple[Study, bool]:
     with session_scope(sessions) as s:
         if idempotency_key:
             existing = s.scalars(

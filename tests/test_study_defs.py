@@ -16,7 +16,10 @@ DEFS = sorted((Path(__file__).resolve().parents[1] / "study_defs").glob("*.yaml"
 def test_study_definition_is_valid(path: Path) -> None:
     spec = parse_spec(path.read_bytes(), "application/yaml")
     s = Settings()
-    assert check_limits(spec, max_trials=s.max_trials, max_steps=s.max_steps, max_params=s.max_params) == []
+    assert (
+        check_limits(spec, max_trials=s.max_trials, max_steps=s.max_steps, max_params=s.max_params)
+        == []
+    )
     assert spec.description, "each study definition documents its experiment"
 
 

@@ -28,7 +28,7 @@ __all__ = ["GPT", "ModelConfig", "ProbeOutput", "SigmaReparamLinear"]
 class ModelConfig(BaseModel):
     """Architecture of one trial's model (vocabulary and context come from the task)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     n_layers: int = Field(2, ge=1, le=64)
     n_heads: int = Field(2, ge=1, le=64)

@@ -77,7 +77,7 @@ class TaskConfig(pydantic.BaseModel):
     Fields that do not apply to the chosen ``kind`` are ignored (e.g. ``n_pairs`` for ``lm``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     kind: Literal["lm", "associative_recall", "sort", "copy"] = "associative_recall"
     seq_len: int = Field(

@@ -46,7 +46,7 @@ __all__ = [
 
 
 class RegularizerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     kind: RegularizerKind = "none"
     lam: float = Field(0.0, ge=0.0, le=1e6, alias="lambda")
@@ -54,7 +54,7 @@ class RegularizerConfig(BaseModel):
 
 
 class OptimConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-3, gt=0.0, le=10.0)
@@ -67,7 +67,7 @@ class OptimConfig(BaseModel):
 
 
 class CheckpointConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     dir: str | None = None  # where checkpoints go; None = no checkpoints
     every_evals: int = Field(1, ge=1)
@@ -76,7 +76,7 @@ class CheckpointConfig(BaseModel):
 class TrialConfig(BaseModel):
     """Everything that determines one trial; same config + seed on CPU = same loss curve."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     task: TaskConfig = Field(default_factory=TaskConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -24,13 +24,24 @@ class ApiError(Exception):
 def validation_errors(
     exc: ValidationError | RequestValidationError, prefix: str = ""
 ) -> list[FieldError]:
+    from service.spec import SpecError
+
     out = []
     for e in exc.errors():
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, SpecError):  # a cross-field check that knows its field
+            out.append(FieldError(field=f"{prefix}{cause.field}", message=cause.message))
+            continue
         loc = [str(x) for x in e["loc"] if x not in ("body", "query", "path")]
-        # Drop pydantic's union-tag segments (e.g. 'float') so the path is the user's field path.
+        # Drop pydantic's union-tag segment (search_space.<path>.float.low -> <path>.low).
+        if len(loc) > 2 and loc[0] == "search_space" and loc[2] in _PARAM_TAGS:
+            del loc[2]
         field = ".".join(loc) or "body"
         out.append(FieldError(field=f"{prefix}{field}", message=str(e["msg"])))
     return out
+
+
+_PARAM_TAGS = ("float", "int", "categorical", "fixed")
 
 
 def _json(status: int, body: ErrorBody, headers: dict[str, str] | None = None) -> JSONResponse:

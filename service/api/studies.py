@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Annotated, Any
 
 import yaml
-from fastapi import APIRouter, Header, Query, Request, Response, status
+from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 from pydantic import ValidationError
 from sqlalchemy import func, select
+from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import LauncherDep, SessionDep, SettingsDep
 from service.api.errors import ApiError, validation_errors
 from service.api.schemas import FieldError, Page, StudyOut, TrialOut
 from service.db import queries
-from service.db.models import Study, Trial, TrialState
+from service.db.models import Study, StudyStatus, Trial, TrialState
 from service.spec import SpecError, StudySpec, check_limits, parse_spec
 from service.studies import cancel_study, create_study, launch_study
 
@@ -23,6 +23,10 @@ __all__ = ["router"]
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["studies"])
+
+MAX_ID = 2**31 - 1  # PostgreSQL integer
+StudyId = Annotated[int, Path(ge=1, le=MAX_ID)]
+Offset = Annotated[int, Query(ge=0, le=MAX_ID)]
 
 SPEC_EXAMPLE = """name: demo
 base:
@@ -34,7 +38,7 @@ budget: {n_trials: 8}
 """
 
 
-def _get_study(session: SessionDep, study_id: int) -> Study:
+def _get_study(session: SessionDep, study_id: StudyId) -> Study:
     row = session.get(Study, study_id)
     if row is None:
         raise ApiError(404, "not_found", f"study {study_id} does not exist")
@@ -55,7 +59,7 @@ async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
             f"send application/json or application/yaml, not {ctype!r}",
         )
     try:
-        return parse_spec(body, ctype)
+        return await run_in_threadpool(parse_spec, body, ctype)  # never block the event loop
     except SpecError as e:
         raise ApiError(
             422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
@@ -64,7 +68,7 @@ async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
         errors = validation_errors(e)
         msg = "; ".join(f"{x.field}: {x.message}" for x in errors)
         raise ApiError(422, "validation_error", msg, errors) from None
-    except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+    except (ValueError, RecursionError, yaml.YAMLError) as e:  # JSON/UTF-8/int-size errors
         raise ApiError(
             400,
             "parse_error",
@@ -123,12 +127,19 @@ async def submit_study(
 @router.get("/studies", response_model=Page[StudyOut])
 def list_studies(
     session: SessionDep,
-    status_: Annotated[str | None, Query(alias="status", max_length=16)] = None,
+    status_: Annotated[str | None, Query(alias="status", pattern="^[A-Za-z]{1,16}$")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Offset = 0,
 ) -> Page[StudyOut]:
     q = select(Study)
     if status_:
+        if status_.upper() not in StudyStatus.__members__:
+            raise ApiError(
+                422,
+                "validation_error",
+                f"status: unknown status {status_!r}",
+                [FieldError(field="status", message=f"one of {list(StudyStatus)}")],
+            )
         q = q.where(Study.status == status_.upper())
     total = session.scalar(select(func.count()).select_from(q.subquery())) or 0
     rows = session.scalars(q.order_by(Study.id.desc()).limit(limit).offset(offset)).all()
@@ -138,12 +149,14 @@ def list_studies(
 
 
 @router.get("/studies/{study_id}", response_model=StudyOut)
-def get_study(session: SessionDep, study_id: int) -> StudyOut:
+def get_study(session: SessionDep, study_id: StudyId) -> StudyOut:
     return StudyOut.of(_get_study(session, study_id))
 
 
 @router.post("/studies/{study_id}/cancel", response_model=StudyOut)
-def cancel(request: Request, session: SessionDep, launcher: LauncherDep, study_id: int) -> StudyOut:
+def cancel(
+    request: Request, session: SessionDep, launcher: LauncherDep, study_id: StudyId
+) -> StudyOut:
     """Stop the study's Ray job and its trials; finished studies are left as they are."""
     _get_study(session, study_id)
     session.close()
@@ -152,7 +165,7 @@ def cancel(request: Request, session: SessionDep, launcher: LauncherDep, study_i
     return StudyOut.of(row)
 
 
-def _check_param_filter(study: Study, field: str) -> None:
+def _check_param_filter(study: Study, field: str, query_param: str) -> None:
     name = field.removeprefix("params.")
     space = study.spec.get("search_space", {})
     if name not in space:
@@ -160,26 +173,26 @@ def _check_param_filter(study: Study, field: str) -> None:
             422,
             "validation_error",
             f"{field}: not a parameter of this study",
-            [FieldError(field="where", message=f"{name!r} is not in the search space")],
+            [FieldError(field=query_param, message=f"{name!r} is not in the search space")],
         )
     if space[name].get("type") not in ("float", "int"):
         raise ApiError(
             422,
             "validation_error",
             f"{field}: only numeric parameters can be compared",
-            [FieldError(field="where", message=f"{name!r} is categorical")],
+            [FieldError(field=query_param, message=f"{name!r} is categorical")],
         )
 
 
 @router.get("/studies/{study_id}/trials", response_model=Page[TrialOut])
 def list_trials(
     session: SessionDep,
-    study_id: int,
+    study_id: StudyId,
     state: Annotated[list[TrialState] | None, Query()] = None,
     where: Annotated[list[str] | None, Query(max_length=20)] = None,
     sort: Annotated[str, Query(max_length=100)] = "number",
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Offset = 0,
 ) -> Page[TrialOut]:
     """Filter (`state=`, `where=min_norm_entropy>=0.1`, `where=params.regularizer.lambda<0.1`),
     sort (`sort=-final_val_loss`, `sort=params.model.qk_init_std`) and page a study's trials."""
@@ -188,9 +201,9 @@ def list_trials(
         filters = [queries.parse_filter(w) for w in where or []]
         for f in filters:
             if f.field.startswith("params."):
-                _check_param_filter(study, f.field)
+                _check_param_filter(study, f.field, "where")
         if sort.lstrip("-+").startswith("params."):
-            _check_param_filter(study, sort.lstrip("-+"))
+            _check_param_filter(study, sort.lstrip("-+"), "sort")
         rows, total = queries.list_trials(
             session,
             study_id,
@@ -210,13 +223,15 @@ def list_trials(
 
 
 @router.get("/studies/{study_id}/summary")
-def summary(session: SessionDep, study_id: int) -> dict[str, Any]:
+def summary(session: SessionDep, study_id: StudyId) -> dict[str, Any]:
     """Counts by state, collapse rates, best value, progress and ETA."""
     return queries.study_summary(session, _get_study(session, study_id))
 
 
 @router.get("/studies/{study_id}/best", response_model=list[TrialOut])
-def best_trials(session: SessionDep, study_id: int, feasible_only: bool = True) -> list[TrialOut]:
+def best_trials(
+    session: SessionDep, study_id: StudyId, feasible_only: bool = True
+) -> list[TrialOut]:
     """The best trial (one objective) or the Pareto front (several), among COMPLETE trials."""
     study = _get_study(session, study_id)
     directions = [o["direction"] for o in study.spec["objectives"]]

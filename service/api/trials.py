@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
-from service.api.schemas import MetricOut, TrialOut
+from service.api.schemas import FieldError, MetricOut, TrialOut
 from service.db import queries
 from service.db.models import Trial
 
 __all__ = ["router"]
 
+_METRIC_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+
 router = APIRouter(prefix="/v1", tags=["trials"])
 
+MAX_INT = 2**31 - 1  # PostgreSQL integer
+TrialId = Annotated[int, Path(ge=1, le=MAX_INT)]
+Bounded = Query(ge=0, le=MAX_INT)
 
-def _get_trial(session: SessionDep, trial_id: int) -> Trial:
+
+def _get_trial(session: SessionDep, trial_id: TrialId) -> Trial:
     row = session.get(Trial, trial_id)
     if row is None:
         raise ApiError(404, "not_found", f"trial {trial_id} does not exist")
@@ -25,23 +32,31 @@ def _get_trial(session: SessionDep, trial_id: int) -> Trial:
 
 
 @router.get("/trials/{trial_id}", response_model=TrialOut)
-def get_trial(session: SessionDep, trial_id: int) -> TrialOut:
+def get_trial(session: SessionDep, trial_id: TrialId) -> TrialOut:
     return TrialOut.of(_get_trial(session, trial_id), with_summary=True)
 
 
 @router.get("/trials/{trial_id}/metrics", response_model=list[MetricOut])
 def get_metrics(
     session: SessionDep,
-    trial_id: int,
+    trial_id: TrialId,
     name: Annotated[list[str] | None, Query(max_length=50)] = None,
-    layer: Annotated[int | None, Query(ge=0)] = None,
-    head: Annotated[int | None, Query(ge=0)] = None,
-    step_min: Annotated[int | None, Query(ge=0)] = None,
-    step_max: Annotated[int | None, Query(ge=0)] = None,
+    layer: Annotated[int | None, Bounded] = None,
+    head: Annotated[int | None, Bounded] = None,
+    step_min: Annotated[int | None, Bounded] = None,
+    step_max: Annotated[int | None, Bounded] = None,
     limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
 ) -> list[MetricOut]:
     """Metric rows ordered by (name, layer, head, step); layer/head null where not applicable."""
     _get_trial(session, trial_id)
+    bad = [n for n in name or [] if not _METRIC_NAME.fullmatch(n)]
+    if bad:
+        raise ApiError(
+            422,
+            "validation_error",
+            f"name: {bad[0]!r} is not a metric name",
+            [FieldError(field="name", message="letters, digits and _ only")],
+        )
     rows = queries.metric_series(
         session,
         trial_id,

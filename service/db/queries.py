@@ -177,7 +177,10 @@ def study_summary(s: Session, study: Study) -> dict[str, Any]:
     n_measured = int(agg[0] or 0)
     directions = [o["direction"] for o in study.spec.get("objectives", [{}])]
     best_q = select(Trial).where(
-        Trial.study_id == study.id, Trial.state == TrialState.COMPLETE, Trial.value.is_not(None)
+        Trial.study_id == study.id,
+        Trial.state == TrialState.COMPLETE,
+        Trial.value.is_not(None),
+        Trial.feasible.is_not(False),  # the same "best" as /best: feasible trials only
     )
     best_col = Trial.value.desc() if directions[:1] == ["maximize"] else Trial.value.asc()
     best = s.scalars(best_q.order_by(best_col).limit(1)).first()

@@ -39,7 +39,11 @@ def test_serve_runs_a_study_and_prints_results(tmp_path: Path) -> None:
     assert "study 1 'quickstart': COMPLETED, 2/2 trials" in out
     header = next(line for line in out.splitlines() if line.startswith("#"))
     assert "min_H_norm" in header and "regularizer.lambda" in header
-    rows = [line for line in out.splitlines() if line.split()[:2] in (["0", "COMPLETE"], ["1", "COMPLETE"])]
+    rows = [
+        line
+        for line in out.splitlines()
+        if line.split()[:2] in (["0", "COMPLETE"], ["1", "COMPLETE"])
+    ]
     assert len(rows) == 2
     # The embedded default wrote its SQLite database and a private Ray token under home.
     home = tmp_path / "home"

@@ -46,7 +46,9 @@ def small_quickstart(n_trials: int = 4, steps: int = 40) -> dict[str, Any]:
     return dict(spec)
 
 
-def wait_for(client: TestClient, study_id: int, statuses: set[str], timeout: float) -> dict[str, Any]:
+def wait_for(
+    client: TestClient, study_id: int, statuses: set[str], timeout: float
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         study = client.get(f"/v1/studies/{study_id}").json()
@@ -57,7 +59,9 @@ def wait_for(client: TestClient, study_id: int, statuses: set[str], timeout: flo
 
 
 @pytest.fixture
-def app_client(db_url: str, ray_head: LocalRayHead, tmp_path: Path) -> Iterator[tuple[TestClient, str]]:
+def app_client(
+    db_url: str, ray_head: LocalRayHead, tmp_path: Path
+) -> Iterator[tuple[TestClient, str]]:
     settings = Settings(
         database_url=db_url,
         ray_address=ray_head.dashboard_url,
@@ -71,7 +75,9 @@ def app_client(db_url: str, ray_head: LocalRayHead, tmp_path: Path) -> Iterator[
 def test_study_runs_end_to_end(app_client: tuple[TestClient, str], ray_head: LocalRayHead) -> None:
     client, db_url = app_client
     spec = small_quickstart()
-    r = client.post("/v1/studies", content=yaml.safe_dump(spec), headers={"content-type": "application/yaml"})
+    r = client.post(
+        "/v1/studies", content=yaml.safe_dump(spec), headers={"content-type": "application/yaml"}
+    )
     assert r.status_code == 201, r.text
     study = r.json()
     sid, job_id = study["id"], study["ray_job_id"]
@@ -98,24 +104,35 @@ def test_study_runs_end_to_end(app_client: tuple[TestClient, str], ray_head: Loc
     with sessions() as s:
         for t in trials:
             rows = s.execute(
-                select(Metric.name, Metric.layer, Metric.head, Metric.step).where(Metric.trial_id == t["id"])
+                select(Metric.name, Metric.layer, Metric.head, Metric.step).where(
+                    Metric.trial_id == t["id"]
+                )
             ).all()
             got = set(rows)
             for step in eval_steps:
                 for layer in range(1, n_layers + 1):
                     for head in range(n_heads):
-                        for name in ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var"):
+                        for name in (
+                            "attn_entropy",
+                            "attn_entropy_norm",
+                            "qk_eig_mean",
+                            "qk_eig_var",
+                        ):
                             assert (name, layer, head, step) in got
                 for layer in range(0, n_layers + 1):
                     assert ("rank_ratio", layer, -1, step) in got
                 assert ("val_loss", -1, -1, step) in got
-            per_eval = 4 * n_layers * n_heads + (n_layers + 1) + 5  # + train/val loss, grad, lr, penalty
+            per_eval = (
+                4 * n_layers * n_heads + (n_layers + 1) + 5
+            )  # + train/val loss, grad, lr, penalty
             assert len(rows) == per_eval * len(eval_steps)
 
         # Summary counts agree with the database.
         summary = client.get(f"/v1/studies/{sid}/summary").json()
         db_counts = dict(
-            s.execute(select(Trial.state, func.count()).where(Trial.study_id == sid).group_by(Trial.state)).all()
+            s.execute(
+                select(Trial.state, func.count()).where(Trial.study_id == sid).group_by(Trial.state)
+            ).all()
         )
         assert {k: v for k, v in summary["trials_by_state"].items() if v} == db_counts
         best = s.scalar(select(func.min(Trial.value)).where(Trial.study_id == sid))
@@ -128,22 +145,32 @@ def test_study_runs_end_to_end(app_client: tuple[TestClient, str], ray_head: Loc
     engine.dispose()
 
     # The trials endpoint filters and sorts what the runner wrote.
-    by_loss = client.get(f"/v1/studies/{sid}/trials", params={"sort": "-final_val_loss"}).json()["items"]
+    by_loss = client.get(f"/v1/studies/{sid}/trials", params={"sort": "-final_val_loss"}).json()[
+        "items"
+    ]
     losses = [t["final_val_loss"] for t in by_loss]
     assert losses == sorted(losses, reverse=True)
     stds = sorted(t["params"]["model.qk_init_std"] for t in trials)
     cut = (stds[len(stds) // 2 - 1] + stds[len(stds) // 2]) / 2  # between two trials, not on one
-    low = client.get(f"/v1/studies/{sid}/trials", params={"where": f"params.model.qk_init_std<{cut}"}).json()
-    assert {t["id"] for t in low["items"]} == {t["id"] for t in trials if t["params"]["model.qk_init_std"] < cut}
+    low = client.get(
+        f"/v1/studies/{sid}/trials", params={"where": f"params.model.qk_init_std<{cut}"}
+    ).json()
+    assert {t["id"] for t in low["items"]} == {
+        t["id"] for t in trials if t["params"]["model.qk_init_std"] < cut
+    }
 
-    metrics = client.get(f"/v1/trials/{trials[0]['id']}/metrics", params={"name": "val_loss"}).json()
+    metrics = client.get(
+        f"/v1/trials/{trials[0]['id']}/metrics", params={"name": "val_loss"}
+    ).json()
     assert [m["step"] for m in metrics] == eval_steps and all(m["layer"] is None for m in metrics)
     detail = client.get(f"/v1/trials/{trials[0]['id']}").json()
     assert detail["summary"]["eval_steps"] == eval_steps
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_cancel_stops_job_and_trials(app_client: tuple[TestClient, str], ray_head: LocalRayHead) -> None:
+def test_cancel_stops_job_and_trials(
+    app_client: tuple[TestClient, str], ray_head: LocalRayHead
+) -> None:
     client, _ = app_client
     spec = small_quickstart(n_trials=6, steps=5000)
     r = client.post("/v1/studies", json=spec)
@@ -151,7 +178,9 @@ def test_cancel_stops_job_and_trials(app_client: tuple[TestClient, str], ray_hea
     sid, job_id = r.json()["id"], r.json()["ray_job_id"]
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        running = client.get(f"/v1/studies/{sid}/trials", params={"state": "RUNNING"}).json()["total"]
+        running = client.get(f"/v1/studies/{sid}/trials", params={"state": "RUNNING"}).json()[
+            "total"
+        ]
         if running:
             break
         time.sleep(0.5)
@@ -159,7 +188,11 @@ def test_cancel_stops_job_and_trials(app_client: tuple[TestClient, str], ray_hea
     t0 = time.monotonic()
     assert client.post(f"/v1/studies/{sid}/cancel").json()["status"] == "CANCELLED"
     launcher = JobLauncher(ray_head.dashboard_url)
-    while time.monotonic() - t0 < 30 and launcher.status(job_id) not in ("STOPPED", "FAILED", "SUCCEEDED"):
+    while time.monotonic() - t0 < 30 and launcher.status(job_id) not in (
+        "STOPPED",
+        "FAILED",
+        "SUCCEEDED",
+    ):
         time.sleep(0.5)
     assert launcher.status(job_id) in ("STOPPED", "FAILED", "SUCCEEDED")
     trials = client.get(f"/v1/studies/{sid}/trials", params={"limit": 100}).json()["items"]

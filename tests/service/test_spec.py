@@ -49,14 +49,20 @@ def test_pruner_needs_single_objective() -> None:
     data = {
         **BASE,
         "pruner": {"kind": "median"},
-        "objectives": [{"metric": "final_val_loss"}, {"metric": "min_norm_entropy", "direction": "maximize"}],
+        "objectives": [
+            {"metric": "final_val_loss"},
+            {"metric": "min_norm_entropy", "direction": "maximize"},
+        ],
     }
     assert any("single objective" in m for m in errors_of(data))
 
 
 def test_grid_sampler_needs_grid_values() -> None:
-    data = {**BASE, "sampler": {"kind": "grid"},
-            "search_space": {"optim.lr": {"type": "float", "low": 0.001, "high": 0.01}}}
+    data = {
+        **BASE,
+        "sampler": {"kind": "grid"},
+        "search_space": {"optim.lr": {"type": "float", "low": 0.001, "high": 0.01}},
+    }
     assert any("grid" in m for m in errors_of(data))
 
 
@@ -87,7 +93,9 @@ def test_limits_name_the_field() -> None:
     assert {e.field for e in errs} == {"budget.n_trials", "base.steps"}
     big = StudySpec.model_validate({**BASE, "search_space": {
         "model.d_model": {"type": "categorical", "choices": [64, 4096]}}})  # fmt: skip
-    assert [e.field for e in check_limits(big, max_trials=10, max_steps=10**6, max_params=10**6)] == ["base.model"]
+    assert [
+        e.field for e in check_limits(big, max_trials=10, max_steps=10**6, max_params=10**6)
+    ] == ["base.model"]
 
 
 def test_parse_spec_yaml_and_json_agree_and_reject_aliases() -> None:
