@@ -101,7 +101,7 @@ class StudyRunner:
             storage=self.storage,
             study_name=optuna_study_name(study_id),
             directions=self.spec.directions(),  # type: ignore[arg-type]
-            sampler=make_sampler(self.spec, self._constraints),
+            sampler=make_sampler(self.spec),
             pruner=make_pruner(self.spec),
             load_if_exists=True,
         )
@@ -109,10 +109,6 @@ class StudyRunner:
         self.by_number: dict[int, _Running] = {}
 
     # ---- Optuna glue -------------------------------------------------------------------------
-
-    @staticmethod
-    def _constraints(trial: optuna.trial.FrozenTrial) -> list[float]:
-        return list(trial.user_attrs.get("constraints", [1e9]))
 
     def _trial_config(self, params: dict[str, Any], number: int) -> dict[str, Any]:
         config = apply_params(self.spec.base, params)
@@ -283,7 +279,8 @@ class StudyRunner:
             v = summary.get(obj.metric)
             worst = math.inf if obj.direction == "minimize" else -math.inf
             values.append(worst if v is None or status == "diverged" else float(v))
-        entry.trial.set_user_attr("constraints", constraints)
+        for i, (c, v) in enumerate(zip(self.spec.constraints, constraints, strict=False)):
+            entry.trial.set_constraint(f"{i}:{c.metric}{c.op}", v)
         entry.trial.set_user_attr("qkscope_status", status)
         state = {
             "completed": TrialState.COMPLETE,

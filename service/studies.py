@@ -8,7 +8,6 @@ study for the reconciler to launch later, never a job without a row.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 from datetime import UTC
 from typing import Any
 
@@ -35,16 +34,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ConstraintsFunc = Callable[[optuna.trial.FrozenTrial], Sequence[float]]
-
 
 def optuna_study_name(study_id: int) -> str:
     return f"qkscope-{study_id}"
 
 
-def make_sampler(spec: StudySpec, constraints: ConstraintsFunc) -> optuna.samplers.BaseSampler:
+def make_sampler(spec: StudySpec) -> optuna.samplers.BaseSampler:
+    """The spec's sampler. Constraints reach it through `Trial.set_constraint` (Optuna 5)."""
     s = spec.sampler
-    cf = constraints if spec.constraints else None
     if s.kind == "random":
         return optuna.samplers.RandomSampler(seed=s.seed)
     if s.kind == "grid":
@@ -56,16 +53,12 @@ def make_sampler(spec: StudySpec, constraints: ConstraintsFunc) -> optuna.sample
                 grid[path] = p.grid
         return optuna.samplers.GridSampler(grid, seed=s.seed)
     if s.kind == "tpe":
-        return optuna.samplers.TPESampler(
-            seed=s.seed, n_startup_trials=s.n_startup_trials, constraints_func=cf
-        )
+        return optuna.samplers.TPESampler(seed=s.seed, n_startup_trials=s.n_startup_trials)
     if s.kind == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=s.seed, n_startup_trials=s.n_startup_trials)
     if s.kind == "gp":
-        return optuna.samplers.GPSampler(
-            seed=s.seed, n_startup_trials=s.n_startup_trials, constraints_func=cf
-        )
-    return optuna.samplers.NSGAIISampler(seed=s.seed, constraints_func=cf)
+        return optuna.samplers.GPSampler(seed=s.seed, n_startup_trials=s.n_startup_trials)
+    return optuna.samplers.NSGAIISampler(seed=s.seed)
 
 
 def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
