@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -27,20 +27,6 @@ __all__ = [
     "parse_spec",
 ]
 
-# Numeric TrialSummary fields a study may optimise or constrain.
-SUMMARY_METRICS: tuple[str, ...] = (
-    "final_val_loss",
-    "best_val_loss",
-    "final_train_loss",
-    "min_norm_entropy",
-    "min_norm_entropy_ever",
-    "final_rank_ratio",
-    "qk_eig_var",
-    "qk_eig_mean",
-    "plateau_count",
-    "plateau_steps",
-    "longest_plateau",
-)
 SummaryMetric = Literal[
     "final_val_loss",
     "best_val_loss",
@@ -54,6 +40,8 @@ SummaryMetric = Literal[
     "plateau_steps",
     "longest_plateau",
 ]
+# Numeric TrialSummary fields a study may optimise or constrain.
+SUMMARY_METRICS: tuple[str, ...] = get_args(SummaryMetric)
 
 
 class _Strict(BaseModel):

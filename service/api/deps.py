@@ -11,6 +11,7 @@ from fastapi import Depends, HTTPException, Request, status
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
+from service.db.session import session_scope
 from service.ray_cluster import JobLauncher
 
 __all__ = ["LauncherDep", "SessionDep", "SettingsDep", "require_token", "token_digest"]
@@ -28,15 +29,8 @@ def get_settings_dep(request: Request) -> Settings:
 def get_session(request: Request) -> Iterator[Session]:
     """One session per request: committed if the handler returns, rolled back if it raises."""
     factory: sessionmaker[Session] = request.app.state.sessions
-    session = factory()
-    try:
+    with session_scope(factory) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 def get_launcher(request: Request) -> JobLauncher | None:

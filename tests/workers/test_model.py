@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import pydantic
 import pytest
@@ -13,15 +12,6 @@ from torch import Tensor, nn
 from workers.model import GPT, ModelConfig, SigmaReparamLinear
 
 VOCAB, SEQ = 24, 12
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny matmuls gain nothing from intra-op threads and suffer badly on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(seed: int = 0, vocab: int = VOCAB, seq: int = SEQ, **kw: object) -> GPT:

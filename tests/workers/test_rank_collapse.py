@@ -14,8 +14,6 @@ shrink the tokens ~40x per layer, so deeper logits vanish and attention averages
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import Tensor
@@ -27,15 +25,6 @@ DEPTH, D_MODEL, HEADS, VOCAB, SEQ, BATCH = 8, 64, 4, 32, 32, 8
 
 PURE = {"skip": False, "mlp": False, "norm": "none"}
 FULL = {"skip": True, "mlp": True, "norm": "pre"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny matmuls gain nothing from intra-op threads and suffer badly on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(seed: int, qk_init_std: float, **variant: object) -> GPT:

@@ -11,12 +11,10 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 
 from workers.trial import MetricPoint, TrialConfig, TrialSummary, run_trial
@@ -26,15 +24,6 @@ WIKITEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2
 
 # Fields of the summary that measure the machine, not the trial.
 TIMING_FIELDS = {"wall_time_s", "tokens_per_s"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny matmuls gain nothing from intra-op threads and suffer badly on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
