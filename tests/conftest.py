@@ -69,6 +69,22 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         _drop_pg_db(admin, name)
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def module_db_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """Like `db_url`, shared by the tests of one module (one app per database)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'qkscope.db'}"
+        return
+    admin = request.getfixturevalue("pg_server")
+    name, url = _create_pg_db(admin)
+    try:
+        yield url
+    finally:
+        _drop_pg_db(admin, name)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

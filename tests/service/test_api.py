@@ -54,24 +54,9 @@ def settings(url: str, tmp: Path, **kw: Any) -> Settings:
 # --- fixtures: one database and one app per database for the whole module -------------------
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def mod_db(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('api') / 'qkscope.db'}"
-        return
-    import psycopg
-
-    admin = request.getfixturevalue("pg_server")
-    name = f"qkscope_test_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"{admin.rsplit('/', 1)[0]}/{name}"
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+@pytest.fixture(scope="module")
+def mod_db(module_db_url: str) -> str:
+    return module_db_url
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -627,24 +626,9 @@ assert len(CASES) >= 100
 # --- fixtures ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def bad_db(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('bad') / 'qkscope.db'}"
-        return
-    import psycopg
-
-    admin = request.getfixturevalue("pg_server")
-    name = f"qkscope_test_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"{admin.rsplit('/', 1)[0]}/{name}"
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+@pytest.fixture(scope="module")
+def bad_db(module_db_url: str) -> str:
+    return module_db_url
 
 
 @pytest.fixture(scope="module")

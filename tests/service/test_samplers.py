@@ -38,7 +38,9 @@ def test_sampler_runs_ask_tell_with_constraints(kind: str) -> None:
         study.tell(trial, lr * n)
     done = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
     assert len(done) == 6
-    assert [t.constraints for t in done] == [{"0:min_norm_entropy>=": 0.1 - (i % 3) / 10} for i in range(6)]
+    assert [t.constraints for t in done] == [
+        {"0:min_norm_entropy>=": 0.1 - (i % 3) / 10} for i in range(6)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["none", "median", "percentile", "hyperband"])
