@@ -27,12 +27,11 @@ import optuna
 import ray
 from optuna.trial import TrialState as OptunaState
 from sqlalchemy import Engine, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
-from service.db.models import NO_INDEX, Metric, Study, StudyStatus, Trial, TrialState, utcnow
+from service.db.ingest import insert_metrics
+from service.db.models import NO_INDEX, Study, StudyStatus, Trial, TrialState, utcnow
 from service.db.session import make_engine, make_sessionmaker, normalize_url, session_scope
 from service.spec import StudySpec, apply_params
 from service.studies import make_pruner, make_sampler, optuna_study_name
@@ -89,7 +88,6 @@ class StudyRunner:
     def __init__(self, study_id: int, settings: Settings, engine: Engine) -> None:
         self.study_id, self.settings = study_id, settings
         self.sessions: sessionmaker[Session] = make_sessionmaker(engine)
-        self.dialect = engine.dialect.name
         with session_scope(self.sessions) as s:
             row = s.get(Study, study_id)
             if row is None:
@@ -213,10 +211,8 @@ class StudyRunner:
                     }
                 )
             last_steps[entry.row_id] = max(step, last_steps.get(entry.row_id, 0))
-        insert = pg_insert if self.dialect == "postgresql" else sqlite_insert
         with session_scope(self.sessions) as s:
-            for i in range(0, len(rows), 5000):
-                s.execute(insert(Metric).on_conflict_do_nothing(), rows[i : i + 5000])
+            insert_metrics(s, rows)
             for row_id, step in last_steps.items():
                 s.execute(update(Trial).where(Trial.id == row_id).values(last_step=step))
         self._prune_decisions(reports, inbox)
