@@ -10,10 +10,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from service.api import studies, trials
+from service import prom
+from service.api import export, plots, studies, trials
 from service.api.deps import require_token, token_digest
 from service.api.errors import install_error_handlers
 from service.config import Settings, get_settings
@@ -82,6 +83,9 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
     auth = [Depends(require_token)]
     app.include_router(studies.router, dependencies=auth)
     app.include_router(trials.router, dependencies=auth)
+    app.include_router(plots.router, dependencies=auth)
+    app.include_router(export.router, dependencies=auth)
+    registry = prom.make_registry(lambda: app.state.sessions)
 
     def openapi() -> dict[str, Any]:
         """FastAPI's schema plus the StudySpec the raw-body POST refers to."""
@@ -103,6 +107,19 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        dependencies=auth,
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus metrics"}},
+    )
+    def metrics(request: Request) -> Response:
+        """Prometheus exposition: studies and trials by state, trial durations, metric rows
+        written; read from the database at scrape time. Bearer token like the API."""
+        body, content_type = prom.exposition(registry, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/spec-schema", tags=["studies"], dependencies=auth)
     def spec_schema() -> dict[str, Any]:

@@ -14,6 +14,7 @@ the same parameters and resume from their checkpoints.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -26,17 +27,23 @@ from typing import Any
 import optuna
 import ray
 from optuna.trial import TrialState as OptunaState
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
 from service.db.ingest import insert_metrics
-from service.db.models import NO_INDEX, Study, StudyStatus, Trial, TrialState, utcnow
-from service.db.session import make_engine, make_sessionmaker, normalize_url, session_scope
+from service.db.models import NO_INDEX, Metric, Study, StudyStatus, Trial, TrialState, utcnow
+from service.db.session import (
+    make_engine,
+    make_sessionmaker,
+    normalize_url,
+    session_scope,
+    with_retry,
+)
 from service.spec import StudySpec, apply_params
 from service.studies import make_pruner, make_sampler, optuna_study_name
 from workers import metrics as M
-from workers.remote import Report, TrialInbox, run_trial_task
+from workers.remote import Report, Start, TrialInbox, run_trial_task
 
 __all__ = ["intermediate_value", "main", "run_study"]
 
@@ -79,6 +86,7 @@ class _Running:
     number: int
     started: float
     last_step: int = 0
+    starts: int = 0  # task executions seen in this runner; Ray retries make it > 1
     reported: set[int] = field(default_factory=set)
 
 
@@ -94,7 +102,9 @@ class StudyRunner:
                 raise LookupError(f"study {study_id} not found")
             self.spec = StudySpec.model_validate(row.spec)
             self.status = StudyStatus(row.status)
-        self.storage = optuna.storages.RDBStorage(normalize_url(settings.resolved_database_url()))
+        url = normalize_url(settings.resolved_database_url())
+        pre_ping = {} if url.startswith("sqlite") else {"pool_pre_ping": True}
+        self.storage = optuna.storages.RDBStorage(url, engine_kwargs=pre_ping)
         self.study = optuna.create_study(
             storage=self.storage,
             study_name=optuna_study_name(study_id),
@@ -160,34 +170,70 @@ class StudyRunner:
         self.by_number[number] = entry
 
     def _ask_and_launch(self, inbox: Any) -> None:
-        trial = self.study.ask()
-        params = self._suggest(trial)
+        trial = with_retry(self.study.ask, "ask")
+        params = with_retry(lambda: self._suggest(trial), "suggest")
         seed = int(params.get("seed", self.spec.base.seed))
-        with session_scope(self.sessions) as s:
-            row = Trial(study_id=self.study_id, number=trial.number, params=params, seed=seed)
-            s.add(row)
-            s.flush()
-            row_id = row.id
-        self._launch(inbox, trial, params, row_id)
+
+        def insert() -> int:
+            with session_scope(self.sessions) as s:
+                row = Trial(study_id=self.study_id, number=trial.number, params=params, seed=seed)
+                s.add(row)
+                s.flush()
+                return row.id
+
+        self._launch(inbox, trial, params, with_retry(insert, "insert trial"))
 
     def _resume_orphans(self, inbox: Any) -> None:
         """Trials left RUNNING by a dead runner: relaunch them (they resume from checkpoint)."""
         orphans = self.study.get_trials(deepcopy=False, states=(OptunaState.RUNNING,))
         for ft in orphans:
-            with session_scope(self.sessions) as s:
-                row = s.scalars(
-                    select(Trial).where(Trial.study_id == self.study_id, Trial.number == ft.number)
-                ).one_or_none()
-                if row is None:  # asked but never recorded: give Optuna its answer
-                    self.study.tell(ft.number, state=OptunaState.FAIL)
-                    continue
-                row.state, row.attempts = TrialState.RUNNING, row.attempts + 1
-                params, row_id = dict(row.params), row.id
+
+            def claim(number: int = ft.number) -> tuple[dict[str, Any], int] | None:
+                with session_scope(self.sessions) as s:
+                    row = s.scalars(
+                        select(Trial).where(Trial.study_id == self.study_id, Trial.number == number)
+                    ).one_or_none()
+                    if row is None:
+                        return None
+                    row.state, row.attempts = TrialState.RUNNING, row.attempts + 1
+                    return dict(row.params), row.id
+
+            claimed = with_retry(claim, "claim orphan")
+            if claimed is None:  # asked but never recorded: give Optuna its answer
+                self.study.tell(ft.number, state=OptunaState.FAIL, skip_if_finished=True)
+                continue
+            params, row_id = claimed
             trial = optuna.Trial(self.study, ft._trial_id)
             self._launch(inbox, trial, params, row_id)
             log.info("relaunched trial %d (attempt after runner restart)", ft.number)
 
     # ---- reports ------------------------------------------------------------------------------
+
+    def _record_starts(self, starts: list[Start]) -> None:
+        """Note where each task execution runs; a second start of one launch is a Ray retry."""
+        changes: dict[int, tuple[str, int]] = {}
+        for number, node in starts:
+            entry = self.by_number.get(number)
+            if entry is None:
+                continue
+            entry.starts += 1
+            retries = changes.get(entry.row_id, (node, 0))[1] + (1 if entry.starts > 1 else 0)
+            changes[entry.row_id] = (node, retries)
+            if entry.starts > 1:
+                log.info("trial %d retried by Ray (execution %d) on %s", number, entry.starts, node)
+        if not changes:
+            return
+
+        def write() -> None:
+            with session_scope(self.sessions) as s:
+                for row_id, (node, retries) in changes.items():
+                    s.execute(
+                        update(Trial)
+                        .where(Trial.id == row_id)
+                        .values(node=node, attempts=Trial.attempts + retries)
+                    )
+
+        with_retry(write, "record starts")
 
     def _persist_reports(self, reports: list[Report], inbox: Any) -> None:
         """One transaction for a batch of reports; primary-key conflicts (replays) are skipped."""
@@ -211,10 +257,14 @@ class StudyRunner:
                     }
                 )
             last_steps[entry.row_id] = max(step, last_steps.get(entry.row_id, 0))
-        with session_scope(self.sessions) as s:
-            insert_metrics(s, rows)
-            for row_id, step in last_steps.items():
-                s.execute(update(Trial).where(Trial.id == row_id).values(last_step=step))
+
+        def write() -> None:
+            with session_scope(self.sessions) as s:
+                insert_metrics(s, rows)
+                for row_id, step in last_steps.items():
+                    s.execute(update(Trial).where(Trial.id == row_id).values(last_step=step))
+
+        with_retry(write, "persist reports")
         self._prune_decisions(reports, inbox)
 
     def _prune_decisions(self, reports: list[Report], inbox: Any) -> None:
@@ -227,21 +277,27 @@ class StudyRunner:
             if entry is None or value is None or not math.isfinite(value) or step in entry.reported:
                 continue
             entry.reported.add(step)
-            entry.trial.report(value, step)
-            if entry.trial.should_prune():
+            with_retry(functools.partial(entry.trial.report, value, step), "report")
+            if with_retry(entry.trial.should_prune, "should_prune"):
                 inbox.prune.remote(number)
 
     # ---- results ------------------------------------------------------------------------------
 
-    def _study_best(self, metric: str) -> float | None:
-        with session_scope(self.sessions) as s:
-            vals = s.scalars(
-                select(Trial.summary).where(
-                    Trial.study_id == self.study_id, Trial.state == TrialState.COMPLETE
+    def _best_final_val_loss(self) -> float | None:
+        """The study's best final validation loss so far: the reference for `trapped`."""
+
+        def read() -> float | None:
+            with session_scope(self.sessions) as s:
+                return s.scalar(
+                    select(func.min(Trial.final_val_loss)).where(
+                        Trial.study_id == self.study_id, Trial.state == TrialState.COMPLETE
+                    )
                 )
-            ).all()
-        best = [v[metric] for v in vals if v and v.get(metric) is not None]
-        return min(best) if best else None
+
+        return with_retry(read, "best so far")
+
+    def _count_metric_rows(self, s: Session, row_id: int) -> int:
+        return int(s.scalar(select(func.count()).where(Metric.trial_id == row_id)) or 0)
 
     def _finish(self, ref: Any, entry: _Running) -> None:
         try:
@@ -256,7 +312,7 @@ class StudyRunner:
         status = summary["status"]
         steps = int(self.spec.base.steps)
         if summary.get("eval_steps") and not summary.get("trapped"):
-            ref_loss = self._study_best("final_val_loss")
+            ref_loss = self._best_final_val_loss()
             last = summary["eval_steps"][-1]
             final = summary.get("final_val_loss")
             summary["trapped"] = bool(
@@ -275,14 +331,43 @@ class StudyRunner:
             v = summary.get(obj.metric)
             worst = math.inf if obj.direction == "minimize" else -math.inf
             values.append(worst if v is None or status == "diverged" else float(v))
-        for i, (c, v) in enumerate(zip(self.spec.constraints, constraints, strict=False)):
-            entry.trial.set_constraint(f"{i}:{c.metric}{c.op}", v)
-        entry.trial.set_user_attr("qkscope_status", status)
         state = {
             "completed": TrialState.COMPLETE,
             "pruned": TrialState.PRUNED,
             "diverged": TrialState.DIVERGED,
         }[status]
+        with_retry(
+            lambda: self._record_result(entry, result, state, values, constraints), "record result"
+        )
+        with_retry(lambda: self._tell(entry, status, state, values, constraints), "tell")
+
+    def _tell(
+        self,
+        entry: _Running,
+        status: str,
+        state: TrialState,
+        values: list[float],
+        constraints: list[float],
+    ) -> None:
+        if self.storage.get_trial(entry.trial._trial_id).state.is_finished():
+            return  # an earlier try got through before the connection dropped
+        for i, (c, v) in enumerate(zip(self.spec.constraints, constraints, strict=False)):
+            entry.trial.set_constraint(f"{i}:{c.metric}{c.op}", v)
+        entry.trial.set_user_attr("qkscope_status", status)
+        if state == TrialState.PRUNED:
+            self.study.tell(entry.trial, state=OptunaState.PRUNED, skip_if_finished=True)
+        else:
+            self.study.tell(entry.trial, values, skip_if_finished=True)
+
+    def _record_result(
+        self,
+        entry: _Running,
+        result: dict[str, Any],
+        state: TrialState,
+        values: list[float],
+        constraints: list[float],
+    ) -> None:
+        summary: dict[str, Any] = result["summary"]
         with session_scope(self.sessions) as s:
             row = s.get(Trial, entry.row_id)
             assert row is not None
@@ -306,56 +391,78 @@ class StudyRunner:
             row.last_step = int(summary.get("steps_done", row.last_step))
             row.finished_at = utcnow()
             row.duration_s = time.monotonic() - entry.started
-        if state == TrialState.PRUNED:
-            self.study.tell(entry.trial, state=OptunaState.PRUNED)
-        else:
-            self.study.tell(entry.trial, values)
+            row.metric_rows = self._count_metric_rows(s, entry.row_id)
 
     def _fail(self, entry: _Running, reason: str) -> None:
-        with session_scope(self.sessions) as s:
-            row = s.get(Trial, entry.row_id)
-            assert row is not None
-            row.state, row.error, row.finished_at = TrialState.FAILED, reason, utcnow()
-            row.duration_s = time.monotonic() - entry.started
-        self.study.tell(entry.trial, state=OptunaState.FAIL, skip_if_finished=True)
+        def write() -> None:
+            with session_scope(self.sessions) as s:
+                row = s.get(Trial, entry.row_id)
+                assert row is not None
+                row.state, row.error, row.finished_at = TrialState.FAILED, reason, utcnow()
+                row.duration_s = time.monotonic() - entry.started
+                row.metric_rows = self._count_metric_rows(s, entry.row_id)
+
+        with_retry(write, "record failure")
+        with_retry(
+            lambda: self.study.tell(entry.trial, state=OptunaState.FAIL, skip_if_finished=True),
+            "tell failure",
+        )
         log.warning("trial %d failed: %s", entry.number, reason)
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def _set_status(self, status: StudyStatus, error: str | None = None) -> None:
-        with session_scope(self.sessions) as s:
-            row = s.get(Study, self.study_id)
-            assert row is not None
-            if StudyStatus(row.status) in TERMINAL and status != StudyStatus.RUNNING:
-                return
-            row.status = status
-            if status == StudyStatus.RUNNING and row.started_at is None:
-                row.started_at = utcnow()
-            if status in TERMINAL:
-                row.finished_at = utcnow()
-            if error:
-                row.error = error
+        """Move the study to `status`; a terminal status (e.g. a cancel) is never left."""
+
+        def write() -> None:
+            with session_scope(self.sessions) as s:
+                row = s.get(Study, self.study_id)
+                assert row is not None
+                if StudyStatus(row.status) in TERMINAL:
+                    return
+                row.status = status
+                if status == StudyStatus.RUNNING and row.started_at is None:
+                    row.started_at = utcnow()
+                if status in TERMINAL:
+                    row.finished_at = utcnow()
+                if error:
+                    row.error = error
+
+        with_retry(write, "set status")
 
     def _cancelled(self) -> bool:
-        with session_scope(self.sessions) as s:
-            return (
-                s.scalar(select(Study.status).where(Study.id == self.study_id))
-                == StudyStatus.CANCELLED
-            )
+        def read() -> bool:
+            with session_scope(self.sessions) as s:
+                status = s.scalar(select(Study.status).where(Study.id == self.study_id))
+                return bool(status == StudyStatus.CANCELLED)
+
+        return with_retry(read, "read status")
 
     def _cancel_all(self) -> None:
-        for ref, entry in list(self.running.items()):
+        for ref in self.running:
             ray.cancel(ref, force=True)
-            with session_scope(self.sessions) as s:
-                row = s.get(Trial, entry.row_id)
-                if row is not None and row.state == TrialState.RUNNING:
-                    row.state, row.finished_at, row.error = (
-                        TrialState.CANCELLED,
-                        utcnow(),
-                        "study cancelled",
-                    )
-            self.study.tell(entry.trial, state=OptunaState.FAIL, skip_if_finished=True)
+        entries = list(self.running.values())
         self.running.clear()
+
+        def write() -> None:
+            with session_scope(self.sessions) as s:
+                s.execute(
+                    update(Trial)
+                    .where(
+                        Trial.id.in_([e.row_id for e in entries]),
+                        Trial.state == TrialState.RUNNING,
+                    )
+                    .values(
+                        state=TrialState.CANCELLED, finished_at=utcnow(), error="study cancelled"
+                    )
+                )
+
+        with_retry(write, "cancel trials")
+        for e in entries:
+            tell = functools.partial(
+                self.study.tell, e.trial, state=OptunaState.FAIL, skip_if_finished=True
+            )
+            with_retry(tell, "tell cancel")
 
     def run(self) -> StudyStatus:
         if self.status in TERMINAL:
@@ -365,11 +472,11 @@ class StudyRunner:
         self._resume_orphans(inbox)
         t0 = time.monotonic()
         timeout = self.spec.budget.timeout_s
+        asked = with_retry(lambda: len(self.study.get_trials(deepcopy=False)), "count trials")
         while True:
             if self._cancelled():
                 self._cancel_all()
                 return StudyStatus.CANCELLED
-            asked = len(self.study.get_trials(deepcopy=False))
             out_of_time = timeout is not None and time.monotonic() - t0 > timeout
             while (
                 len(self.running) < self.spec.parallelism
@@ -381,7 +488,9 @@ class StudyRunner:
             if not self.running:
                 break
             ready, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=POLL_S)
-            self._persist_reports(ray.get(inbox.drain.remote()), inbox)
+            reports, starts = ray.get([inbox.drain.remote(), inbox.drain_starts.remote()])
+            self._record_starts(starts)
+            self._persist_reports(reports, inbox)
             for ref in ready:
                 self._finish(ref, self.running.pop(ref))
         self._set_status(StudyStatus.COMPLETED)
@@ -396,8 +505,11 @@ def run_study(study_id: int, settings: Settings | None = None) -> StudyStatus:
     try:
         runner = StudyRunner(study_id, settings, engine)
         return runner.run()
-    except BaseException as e:
-        if runner is not None and not isinstance(e, KeyboardInterrupt):
+    except Exception as e:
+        # A bug or a lasting outage fails the study. SystemExit (Ray turns the SIGTERM of a
+        # stopped or dying job into one) and KeyboardInterrupt leave it RUNNING, so the
+        # service's reconciler resubmits it and the next runner resumes.
+        if runner is not None:
             runner._set_status(StudyStatus.FAILED, "".join(traceback.format_exception(e))[-4000:])
         raise
     finally:

@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+LIVE = (StudyStatus.PENDING, StudyStatus.RUNNING)
 
 
 def optuna_study_name(study_id: int) -> str:
@@ -138,7 +139,16 @@ def launch_study(
         assert row is not None
         row.job_attempts += 1
         attempt = row.job_attempts
-    job_id = launcher.submit_study(study_id, attempt, runner_env(settings))
+    try:
+        job_id = launcher.submit_study(study_id, attempt, runner_env(settings))
+    except Exception:  # not submitted: it must not count against max_job_attempts
+        with session_scope(sessions) as s:
+            s.execute(
+                update(Study)
+                .where(Study.id == study_id)
+                .values(job_attempts=Study.job_attempts - 1)
+            )
+        raise
     with session_scope(sessions) as s:
         row = s.get(Study, study_id)
         assert row is not None
@@ -178,17 +188,19 @@ def reconcile(
 ) -> int:
     """Launch PENDING studies and relaunch RUNNING ones whose Ray job is gone or dead.
 
+    A study whose runner job has died `settings.max_job_attempts` times is marked
+    FAILED with the last job status instead of being resubmitted forever.
     Returns how many jobs were submitted. Called periodically by the service.
     """
     with session_scope(sessions) as s:
         rows = s.execute(
-            select(Study.id, Study.status, Study.ray_job_id, Study.created_at).where(
-                Study.status.in_([StudyStatus.PENDING, StudyStatus.RUNNING])
-            )
+            select(
+                Study.id, Study.status, Study.ray_job_id, Study.created_at, Study.job_attempts
+            ).where(Study.status.in_(LIVE))
         ).all()
     submitted = 0
     now = utcnow()
-    for study_id, status, job_id, created_at in rows:
+    for study_id, status, job_id, created_at, attempts in rows:
         created = created_at if created_at.tzinfo else created_at.replace(tzinfo=UTC)
         if job_id is None and (now - created).total_seconds() < grace_s:
             continue  # the POST that created it is still submitting its job
@@ -198,6 +210,9 @@ def reconcile(
             continue
         if status == StudyStatus.RUNNING and job_status == "SUCCEEDED":
             continue  # finished between our read and Ray's answer; the row will say so
+        if attempts >= settings.max_job_attempts:
+            _give_up(sessions, study_id, job_id, job_status, attempts)
+            continue
         log.info("study %s: job %s is %s; submitting", study_id, job_id, job_status)
         try:
             launch_study(sessions, launcher, settings, study_id)
@@ -205,3 +220,29 @@ def reconcile(
         except Exception as e:  # Ray unreachable: try again next round
             log.warning("study %s: submit failed: %s", study_id, e)
     return submitted
+
+
+def _give_up(
+    sessions: sessionmaker[Session],
+    study_id: int,
+    job_id: str | None,
+    job_status: str | None,
+    attempts: int,
+) -> None:
+    """Mark a study FAILED after its runner job died too often; its finished trials stay."""
+    reason = (
+        f"runner job died {attempts} times (last {job_id}: {job_status or 'gone'}); "
+        "not resubmitting (QKSCOPE_MAX_JOB_ATTEMPTS)"
+    )
+    log.error("study %s: %s", study_id, reason)
+    with session_scope(sessions) as s:
+        s.execute(
+            update(Study)
+            .where(Study.id == study_id, Study.status.in_(LIVE))
+            .values(status=StudyStatus.FAILED, finished_at=utcnow(), error=reason)
+        )
+        s.execute(
+            update(Trial)
+            .where(Trial.study_id == study_id, Trial.state == TrialState.RUNNING)
+            .values(state=TrialState.FAILED, finished_at=utcnow(), error="study failed: " + reason)
+        )

@@ -69,6 +69,16 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         _drop_pg_db(admin, name)
 
 
+@pytest.fixture
+def pg_db_url(pg_server: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database (for tests about PostgreSQL behaviour only)."""
+    name, url = _create_pg_db(pg_server)
+    try:
+        yield url
+    finally:
+        _drop_pg_db(pg_server, name)
+
+
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def module_db_url(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory

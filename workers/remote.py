@@ -18,9 +18,10 @@ import ray
 
 from workers.trial import MetricPoint, TrialConfig, run_trial
 
-__all__ = ["InboxReporter", "TrialInbox", "run_trial_task"]
+__all__ = ["InboxReporter", "Report", "Start", "TrialInbox", "run_trial_task"]
 
 Report = tuple[int, int, list[tuple[str, int | None, int | None, float]]]  # (trial, step, points)
+Start = tuple[int, str]  # (trial, node): one execution of a trial task began
 
 
 @ray.remote(num_cpus=0)
@@ -29,7 +30,15 @@ class TrialInbox:
 
     def __init__(self) -> None:
         self._reports: list[Report] = []
+        self._starts: list[Start] = []
         self._prune: set[int] = set()
+
+    def started(self, trial: int, node: str) -> None:
+        self._starts.append((trial, node))
+
+    def drain_starts(self) -> list[Start]:
+        starts, self._starts = self._starts, []
+        return starts
 
     def put(
         self, trial: int, step: int, points: list[tuple[str, int | None, int | None, float]]
@@ -57,7 +66,12 @@ class InboxReporter:
 
 
 def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, Any]:
-    """Body of the Ray task: run (or resume from checkpoint) and return the summary."""
-    summary = run_trial(TrialConfig.model_validate(config), InboxReporter(inbox, trial))
+    """Body of the Ray task: run (or resume from checkpoint) and return the summary.
+
+    Each execution announces itself first, so a Ray retry after a lost node or a
+    crashed worker is counted in the trial's `attempts`.
+    """
     node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:12]}"
+    ray.get(inbox.started.remote(trial, node))
+    summary = run_trial(TrialConfig.model_validate(config), InboxReporter(inbox, trial))
     return {"summary": summary.model_dump(mode="json"), "node": node, "pid": os.getpid()}

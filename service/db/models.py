@@ -103,6 +103,8 @@ class Trial(Base):
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     last_step: Mapped[int] = mapped_column(Integer, default=0)
+    # Metric rows stored for this trial, counted when it finishes (Prometheus reads the sum).
+    metric_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # Summary numbers copied into columns so the results API can filter and sort on them.
     final_val_loss: Mapped[float | None] = mapped_column(Float, default=None)
     min_norm_entropy: Mapped[float | None] = mapped_column(Float, default=None)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-__all__ = ["make_engine", "make_sessionmaker", "normalize_url", "session_scope"]
+__all__ = ["make_engine", "make_sessionmaker", "normalize_url", "session_scope", "with_retry"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def normalize_url(url: str) -> str:
@@ -53,3 +59,23 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def with_retry(
+    fn: Callable[[], T], what: str, *, attempts: int = 8, base_s: float = 0.25, max_s: float = 8.0
+) -> T:
+    """Run one unit of database work, again after a dropped connection or a locked database.
+
+    Backs off exponentially (0.25 s, 0.5 s, ... capped at `max_s`; about 24 s in all by
+    default). The unit must be safe to repeat: a whole transaction, or an idempotent call.
+    """
+    for i in range(attempts):
+        try:
+            return fn()
+        except (OperationalError, InterfaceError) as e:
+            if i == attempts - 1:
+                raise
+            delay = min(max_s, base_s * 2**i)
+            log.warning("%s: database error (%s); retry %d in %.2fs", what, e.orig, i + 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

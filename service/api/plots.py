@@ -1,0 +1,117 @@
+"""/v1/studies/{id}/plots/{kind}: a study's results as a PNG, or the plot's data as JSON."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi.responses import JSONResponse
+
+from service.api.deps import SessionDep
+from service.api.errors import ApiError
+from service.api.schemas import FieldError
+from service.db.models import Study
+from service.plots import PLOT_KINDS, PlotError, PlotOptions, plot_data, render_png
+
+__all__ = ["PlotKind", "router"]
+
+router = APIRouter(prefix="/v1", tags=["plots"])
+
+MAX_ID = 2**31 - 1  # PostgreSQL integer
+StudyId = Annotated[int, Path(ge=1, le=MAX_ID)]
+Field = Annotated[str | None, Query(max_length=200)]
+Pixels = Annotated[int, Query(ge=200, le=4000)]
+# Rendering is CPU-bound: a few at a time, the rest of the threadpool stays free for queries.
+_RENDER_SLOTS = threading.BoundedSemaphore(4)
+
+
+class PlotKind(enum.StrEnum):
+    metric = "metric"
+    scatter = "scatter"
+    phase = "phase"
+    pareto = "pareto"
+    history = "history"
+
+
+assert tuple(PlotKind) == PLOT_KINDS
+
+PNG_DOC: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "a PNG (default) or, with format=json, the plot's data",
+        "content": {"image/png": {}, "application/json": {}},
+    },
+    404: {"description": "no such study"},
+    422: {"description": "a bad plot kind or parameter, named in errors[].field"},
+}
+
+
+def wants_json(fmt: str | None, accept: str | None) -> bool:
+    """`format=` decides; without it, an Accept header asking for JSON and not PNG does."""
+    if fmt is not None:
+        return fmt == "json"
+    accept = (accept or "").lower()
+    return "application/json" in accept and "image/png" not in accept
+
+
+@router.get(
+    "/studies/{study_id}/plots/{kind}",
+    response_class=Response,
+    responses=PNG_DOC,
+)
+def get_plot(
+    session: SessionDep,
+    study_id: StudyId,
+    kind: PlotKind,
+    metric: Annotated[str | None, Query(max_length=64)] = None,
+    trials: Annotated[str | None, Query(max_length=400)] = None,
+    layer: Annotated[int | None, Query(ge=0, le=MAX_ID)] = None,
+    head: Annotated[int | None, Query(ge=0, le=MAX_ID)] = None,
+    x: Field = None,
+    y: Field = None,
+    color: Field = None,
+    objective: Annotated[int, Query(ge=0, le=16)] = 0,
+    feasible_only: bool = True,
+    format: Literal["png", "json"] | None = None,
+    width: Pixels = 900,
+    height: Pixels = 600,
+    accept: Annotated[str | None, Header()] = None,
+) -> Response:
+    """Kinds: `metric` (`metric=`, `trials=3,7`, `layer=`, `head=`), `scatter` (`x=params.<path>`,
+    `y=<summary metric>`, `color=`), `phase` (collapse classes over `x`, `y`), `pareto`
+    (`x`/`y` name objectives), `history` (`objective=`). `format=json` (or
+    `Accept: application/json`) returns the data instead of the PNG."""
+    study = session.get(Study, study_id)
+    if study is None:
+        raise ApiError(404, "not_found", f"study {study_id} does not exist")
+    options = PlotOptions(
+        metric=metric,
+        trials=trials,
+        layer=layer,
+        head=head,
+        x=x,
+        y=y,
+        color=color,
+        objective=objective,
+        feasible_only=feasible_only,
+    )
+    try:
+        data = plot_data(session, study, str(kind), options)
+    except PlotError as e:
+        raise ApiError(
+            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
+        ) from None
+    session.close()  # give the connection back before the CPU-bound part
+    if wants_json(format, accept):
+        return JSONResponse(data)
+    with _RENDER_SLOTS:
+        png = render_png(data, width=width, height=height)
+    return Response(
+        png,
+        media_type="image/png",
+        headers={
+            "Content-Disposition": f'inline; filename="study-{study_id}-{kind}.png"',
+            "Cache-Control": "no-store",
+        },
+    )

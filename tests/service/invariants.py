@@ -1,0 +1,112 @@
+"""What must hold for a finished study whatever happened to it on the way (node loss, a
+killed runner job, an API or Ray restart): every planned trial accounted for once, Optuna
+and qkscope agreeing, and every completed trial's metric rows all there, exactly once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
+
+from service.db.models import Metric, Study, Trial
+from service.db.session import make_engine, make_sessionmaker, normalize_url
+
+ATTN = ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var")
+
+
+def expected_metric_keys(
+    spec: dict[str, Any], params: dict[str, Any]
+) -> set[tuple[str, int, int, int]]:
+    """(name, layer, head, step) of every row a completed trial reports, from its config alone."""
+    base = spec["base"]
+    model = base["model"]
+    n_layers, n_heads = model["n_layers"], model["n_heads"]
+    steps, every = base["steps"], base["eval_every"]
+    eval_steps = set(range(every, steps + 1, every)) | {steps}
+    reg = base.get("regularizer", {})
+    lam = params.get("regularizer.lambda", reg.get("lambda", 0.0))
+    scalars = ["train_loss", "val_loss", "grad_norm", "lr"]
+    if reg.get("kind", "none") != "none" and lam != 0:
+        scalars.append("reg_penalty")
+    keys: set[tuple[str, int, int, int]] = set()
+    for step in eval_steps:
+        keys |= {(n, -1, -1, step) for n in scalars}
+        keys |= {
+            (n, layer, head, step)
+            for n in ATTN
+            for layer in range(1, n_layers + 1)
+            for head in range(n_heads)
+        }
+        keys |= {("rank_ratio", layer, -1, step) for layer in range(n_layers + 1)}
+    return keys
+
+
+def check_finished_study(db_url: str, study_id: int) -> list[Trial]:
+    """Assert the invariants of a finished study; returns its trials ordered by number."""
+    engine = make_engine(db_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            study = s.get(Study, study_id)
+            assert study is not None
+            assert study.status == "COMPLETED", study.error
+            spec = study.spec
+            trials = list(
+                s.scalars(select(Trial).where(Trial.study_id == study_id).order_by(Trial.number))
+            )
+            n = spec["budget"]["n_trials"]
+            assert [t.number for t in trials] == list(range(n)), "each planned trial exactly once"
+            for t in trials:
+                assert t.state in ("COMPLETE", "PRUNED", "FAILED", "DIVERGED"), (t.number, t.state)
+                if t.state == "FAILED":
+                    assert t.error, f"trial {t.number} failed without a reason"
+                else:
+                    assert t.finished_at is not None and t.summary is not None
+            _check_metric_rows(s, spec, trials)
+        _check_optuna_agrees(db_url, study_id, trials)
+        return trials
+    finally:
+        engine.dispose()
+
+
+def _check_metric_rows(s: Session, spec: dict[str, Any], trials: list[Trial]) -> None:
+    ids = [t.id for t in trials]
+    dupes = s.execute(
+        text(
+            "SELECT trial_id, name, layer, head, step, count(*) FROM qk_metric "
+            "WHERE trial_id IN (" + ",".join(map(str, ids)) + ") "
+            "GROUP BY trial_id, name, layer, head, step HAVING count(*) > 1"
+        )
+    ).all()
+    assert dupes == [], f"duplicated metric rows: {dupes[:5]}"
+    for t in trials:
+        got = set(
+            s.execute(
+                select(Metric.name, Metric.layer, Metric.head, Metric.step).where(
+                    Metric.trial_id == t.id
+                )
+            ).tuples()
+        )
+        count = s.scalar(select(func.count()).where(Metric.trial_id == t.id))
+        assert t.metric_rows == count, (t.number, t.metric_rows, count)
+        if t.state == "COMPLETE":
+            want = expected_metric_keys(spec, t.params)
+            assert got == want, (
+                f"trial {t.number}: missing {sorted(want - got)[:5]}, extra {sorted(got - want)[:5]}"
+            )
+            values = s.scalars(
+                select(Metric.value).where(Metric.trial_id == t.id, Metric.name == "val_loss")
+            ).all()
+            assert all(v is not None for v in values)
+
+
+def _check_optuna_agrees(db_url: str, study_id: int, trials: list[Trial]) -> None:
+    storage = optuna.storages.RDBStorage(normalize_url(db_url))
+    try:
+        study = optuna.load_study(study_name=f"qkscope-{study_id}", storage=storage)
+        states = {ft.number: ft.state.name for ft in study.get_trials(deepcopy=False)}
+    finally:
+        storage.engine.dispose()
+    ours = {"COMPLETE": "COMPLETE", "PRUNED": "PRUNED", "FAILED": "FAIL", "DIVERGED": "COMPLETE"}
+    assert states == {t.number: ours[t.state] for t in trials}
