@@ -4,12 +4,19 @@ and real Ray clusters, and clean them up."""
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Ray fixes its auth mode once per process (C++ config, read at first use), so every Ray
+# cluster these tests start or join runs with token auth and one session token, set here
+# before any test module imports Ray.
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 PG_ADMIN_URL = os.environ.get("QKSCOPE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 SHARED = Path(__file__).resolve().parents[2] / "shared"

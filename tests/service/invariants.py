@@ -81,13 +81,14 @@ def _check_metric_rows(s: Session, spec: dict[str, Any], trials: list[Trial]) ->
     ).all()
     assert dupes == [], f"duplicated metric rows: {dupes[:5]}"
     for t in trials:
-        got = set(
-            s.execute(
+        got = {
+            tuple(r)
+            for r in s.execute(
                 select(Metric.name, Metric.layer, Metric.head, Metric.step).where(
                     Metric.trial_id == t.id
                 )
-            ).tuples()
-        )
+            )
+        }
         count = s.scalar(select(func.count()).where(Metric.trial_id == t.id))
         assert t.metric_rows == count, (t.number, t.metric_rows, count)
         if t.state == "COMPLETE":

@@ -1,0 +1,220 @@
+"""Node loss and database faults on a real multi-node Ray cluster (`ray.cluster_utils.Cluster`:
+a head with no CPUs and two one-CPU worker nodes, token auth on). The study runner runs
+here, as the driver, exactly as `python -m service.runner` would in its Ray job."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import psycopg
+import pytest
+import ray
+import torch
+from ray.cluster_utils import Cluster
+from sqlalchemy import select
+
+from service.config import Settings
+from service.db import migrate
+from service.db.models import Study, Trial
+from service.db.session import make_engine, make_sessionmaker, normalize_url
+from service.runner import run_study
+from service.spec import StudySpec, apply_params
+from service.studies import create_study
+from tests.conftest import free_port
+from tests.service.invariants import check_finished_study
+from workers.trial import run_trial
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Head (0 CPUs: trials must run on workers) + two 1-CPU worker nodes.
+
+    Token auth is on: tests/conftest.py sets RAY_AUTH_MODE=token for the whole session.
+    """
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "gcs_server_port": free_port(), "include_dashboard": False},
+    )
+    try:
+        for _ in range(2):
+            c.add_node(num_cpus=1)
+        c.wait_for_nodes()
+        ray.init(address=c.address, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def node_loss_spec(n_trials: int, max_retries: int, steps: int = 160) -> dict[str, Any]:
+    return {
+        "name": "node-loss",
+        "base": {
+            "task": {
+                "kind": "associative_recall",
+                "seq_len": 24,
+                "n_symbols": 16,
+                "n_pairs": 6,
+                "n_valid": 64,
+            },
+            "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64, "norm": "pre"},
+            "regularizer": {"kind": "locater", "lambda": 0.01},
+            "optim": {"lr": 0.003},
+            "batch_size": 32,
+            "steps": steps,
+            "eval_every": 20,
+            "eval_batches": 1,
+            "seed": 0,
+        },
+        "search_space": {"model.qk_init_std": {"type": "float", "low": 0.02, "high": 0.5}},
+        "sampler": {"kind": "random", "seed": 1},
+        "budget": {"n_trials": n_trials},
+        "parallelism": 2,
+        "max_retries": max_retries,
+        "objectives": [{"metric": "final_val_loss", "direction": "minimize"}],
+        "resources": {"cpus": 1, "gpus": 0},
+    }
+
+
+class StudyThread:
+    """A study row created the service's way, and its runner on a background thread."""
+
+    def __init__(self, db_url: str, home: Path, spec: dict[str, Any]) -> None:
+        migrate.upgrade(db_url)
+        self.db_url = db_url
+        self.settings = Settings(database_url=db_url, home=home, checkpoint_dir=str(home / "ckpt"))
+        self.engine = make_engine(db_url)
+        self.sessions = make_sessionmaker(self.engine)
+        row, _ = create_study(self.sessions, StudySpec.model_validate(spec))
+        self.study_id = row.id
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            run_study(self.study_id, self.settings)
+        except BaseException as e:  # surfaced by join()
+            self.error = e
+
+    def trials(self) -> list[Trial]:
+        with self.sessions() as s:
+            return list(s.scalars(select(Trial).where(Trial.study_id == self.study_id)))
+
+    def wait_running(self, n: int, min_step: int, timeout: float = 180) -> list[Trial]:
+        """Until `n` trials are RUNNING past `min_step` (so they have a checkpoint)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            running = [t for t in self.trials() if t.state == "RUNNING" and t.last_step >= min_step]
+            if len(running) >= n and all(t.node for t in running):
+                return running
+            time.sleep(0.2)
+        raise AssertionError(f"no {n} trials running past step {min_step}: {self.trials()}")
+
+    def join(self, timeout: float = 300) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "study did not finish"
+        if self.error is not None:
+            raise self.error
+        self.engine.dispose()
+
+
+def worker_node_of(cluster: Cluster, trial: Trial) -> Any:
+    """The cluster's Node object that runs `trial` (trial.node is 'host:<node id prefix>')."""
+    assert trial.node is not None
+    prefix = trial.node.rsplit(":", 1)[1]
+    matches = [n for n in cluster.worker_nodes if n.node_id.startswith(prefix)]
+    assert len(matches) == 1, (trial.node, [n.node_id for n in cluster.worker_nodes])
+    return matches[0]
+
+
+def kill_node_and_replace(cluster: Cluster, node: Any) -> None:
+    """SIGKILL every process of a worker node, then add a fresh node (as an autoscaler would)."""
+    cluster.remove_node(node, allow_graceful=False)
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+
+
+def test_killed_worker_node_trial_is_retried_and_resumes(
+    cluster: Cluster, db_url: str, tmp_path: Path
+) -> None:
+    spec = node_loss_spec(n_trials=4, max_retries=2)
+    run = StudyThread(db_url, tmp_path, spec)
+    victim = run.wait_running(n=1, min_step=40)[0]
+    kill_node_and_replace(cluster, worker_node_of(cluster, victim))
+    run.join()
+
+    trials = check_finished_study(db_url, run.study_id)
+    by_number = {t.number: t for t in trials}
+    hit = by_number[victim.number]
+    assert hit.state == "COMPLETE", hit.error
+    assert hit.attempts >= 2, "the retry after the node loss is recorded"
+    assert hit.node != victim.node, "the retry ran on another node"
+    assert all(t.state == "COMPLETE" for t in trials)
+
+    # Resuming from the checkpoint gives exactly the uninterrupted result (same seed, CPU).
+    config = apply_params(StudySpec.model_validate(spec).base, hit.params)
+    torch.set_num_threads(1)
+    alone = run_trial(config)
+    assert hit.final_val_loss == pytest.approx(alone.final_val_loss, rel=1e-5)
+
+
+def test_trial_out_of_retries_fails_with_reason_and_study_goes_on(
+    cluster: Cluster, db_url: str, tmp_path: Path
+) -> None:
+    spec = node_loss_spec(n_trials=3, max_retries=0)
+    run = StudyThread(db_url, tmp_path, spec)
+    victim = run.wait_running(n=1, min_step=20)[0]
+    kill_node_and_replace(cluster, worker_node_of(cluster, victim))
+    run.join()
+
+    trials = check_finished_study(db_url, run.study_id)
+    failed = {t.number: t for t in trials if t.state == "FAILED"}
+    # The victim, and any task Ray had already queued on the dying node, fail with the reason.
+    assert victim.number in failed
+    assert all(t.error and "NodeDiedError" in t.error for t in failed.values()), failed
+    assert all(t.attempts == 1 for t in failed.values()), "max_retries=0: no retry"
+    rest = [t for t in trials if t.number not in failed]
+    assert rest and all(t.state == "COMPLETE" for t in rest), "the study went on"
+    storage = optuna.storages.RDBStorage(normalize_url(db_url))
+    try:
+        ft = optuna.load_study(study_name=f"qkscope-{run.study_id}", storage=storage).trials
+        assert ft[victim.number].state == optuna.trial.TrialState.FAIL
+    finally:
+        storage.engine.dispose()
+
+
+def test_dropped_database_connections_are_retried(
+    cluster: Cluster, pg_db_url: str, tmp_path: Path
+) -> None:
+    """Every connection to the study's PostgreSQL database is terminated three times while
+    trials run; the runner reconnects with backoff and the study finishes intact."""
+    run = StudyThread(pg_db_url, tmp_path, node_loss_spec(n_trials=4, max_retries=2))
+    run.wait_running(n=1, min_step=20)
+    name = pg_db_url.rsplit("/", 1)[1]
+    killed = 0
+    with psycopg.connect(pg_db_url.rsplit("/", 1)[0] + "/test", autocommit=True) as admin:
+        for _ in range(3):
+            killed += len(
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (name,),
+                ).fetchall()
+            )
+            time.sleep(1.5)
+    assert killed >= 3, "the runner held connections to the study database"
+    run.join()
+    trials = check_finished_study(pg_db_url, run.study_id)
+    assert all(t.state == "COMPLETE" for t in trials)
+    with make_sessionmaker(make_engine(pg_db_url))() as s:
+        assert s.scalar(select(Study.status).where(Study.id == run.study_id)) == "COMPLETED"
