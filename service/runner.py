@@ -27,6 +27,7 @@ from typing import Any
 import optuna
 import ray
 from optuna.trial import TrialState as OptunaState
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -468,7 +469,9 @@ class StudyRunner:
         if self.status in TERMINAL:
             return self.status
         self._set_status(StudyStatus.RUNNING)
-        inbox = TrialInbox.remote()  # type: ignore[attr-defined]
+        # The inbox lives on the runner's node: it shares the runner's fate, never a worker's.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        inbox = TrialInbox.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
         self._resume_orphans(inbox)
         t0 = time.monotonic()
         timeout = self.spec.budget.timeout_s
@@ -505,10 +508,13 @@ def run_study(study_id: int, settings: Settings | None = None) -> StudyStatus:
     try:
         runner = StudyRunner(study_id, settings, engine)
         return runner.run()
+    except ray.exceptions.RayError:
+        # The cluster failed, not the study (a lost node or actor, a restarting head): leave
+        # it RUNNING; the service's reconciler resubmits it, at most max_job_attempts times.
+        # SystemExit and KeyboardInterrupt (a stopped job's SIGTERM) pass through the same way.
+        raise
     except Exception as e:
-        # A bug or a lasting outage fails the study. SystemExit (Ray turns the SIGTERM of a
-        # stopped or dying job into one) and KeyboardInterrupt leave it RUNNING, so the
-        # service's reconciler resubmits it and the next runner resumes.
+        # A bug in the study (or a database outage past the retries) fails it.
         if runner is not None:
             runner._set_status(StudyStatus.FAILED, "".join(traceback.format_exception(e))[-4000:])
         raise

@@ -10,8 +10,10 @@ Prune decisions therefore arrive one evaluation late; that costs at most
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -21,6 +23,7 @@ from workers.trial import MetricPoint, TrialConfig, run_trial
 __all__ = ["InboxReporter", "Report", "Start", "TrialInbox", "run_trial_task"]
 
 Report = tuple[int, int, list[tuple[str, int | None, int | None, float]]]  # (trial, step, points)
+JOURNAL = "reports.jsonl"
 Start = tuple[int, str]  # (trial, node): one execution of a trial task began
 
 
@@ -55,13 +58,41 @@ class TrialInbox:
 
 
 class InboxReporter:
-    """A `workers.trial.Reporter` that forwards to a TrialInbox actor."""
+    """A `workers.trial.Reporter` that forwards to a TrialInbox actor.
 
-    def __init__(self, inbox: Any, trial: int) -> None:
-        self._inbox, self._trial = inbox, trial
+    With a journal (a file beside the trial's checkpoint, on storage every node
+    reaches), each report is appended there before it is sent. Reports still in
+    the inbox when the runner dies would otherwise be lost for good, because the
+    trial resumes after its checkpoint and never repeats them; `replay()` sends
+    the journal again and the metric primary key makes repeats no-ops.
+    """
+
+    def __init__(self, inbox: Any, trial: int, journal: Path | None = None) -> None:
+        self._inbox, self._trial, self._journal = inbox, trial, journal
+
+    def replay(self) -> int:
+        """Send every journaled report again; returns how many there were."""
+        if self._journal is None or not self._journal.exists():
+            return 0
+        refs = []
+        with self._journal.open() as f:
+            for line in f:
+                try:
+                    step, points = json.loads(line)
+                except ValueError:  # a line torn by a crash mid-write
+                    continue
+                refs.append(self._inbox.put.remote(self._trial, step, [tuple(p) for p in points]))
+        ray.get(refs)
+        return len(refs)
 
     def report(self, step: int, metrics: list[MetricPoint]) -> bool:
         points = [(p.name, p.layer, p.head, p.value) for p in metrics]
+        if self._journal is not None:
+            self._journal.parent.mkdir(parents=True, exist_ok=True)
+            with self._journal.open("a") as f:
+                f.write(json.dumps([step, points]) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
         return bool(ray.get(self._inbox.put.remote(self._trial, step, points)))
 
 
@@ -73,5 +104,9 @@ def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, 
     """
     node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:12]}"
     ray.get(inbox.started.remote(trial, node))
-    summary = run_trial(TrialConfig.model_validate(config), InboxReporter(inbox, trial))
+    parsed = TrialConfig.model_validate(config)
+    ckpt_dir = parsed.checkpoint.dir
+    reporter = InboxReporter(inbox, trial, Path(ckpt_dir) / JOURNAL if ckpt_dir else None)
+    reporter.replay()
+    summary = run_trial(parsed, reporter)
     return {"summary": summary.model_dump(mode="json"), "node": node, "pid": os.getpid()}

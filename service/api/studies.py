@@ -98,7 +98,7 @@ async def submit_study(
     session: SessionDep,
     settings: SettingsDep,
     launcher: LauncherDep,
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> StudyOut:
     """Validate a study definition (JSON or YAML), store it, and start its Ray job."""
     spec = await _read_spec(request, settings.max_body_bytes)

@@ -111,3 +111,34 @@ def _check_optuna_agrees(db_url: str, study_id: int, trials: list[Trial]) -> Non
         storage.engine.dispose()
     ours = {"COMPLETE": "COMPLETE", "PRUNED": "PRUNED", "FAILED": "FAIL", "DIVERGED": "COMPLETE"}
     assert states == {t.number: ours[t.state] for t in trials}
+
+
+def fault_spec(n_trials: int, max_retries: int = 2, steps: int = 160) -> dict[str, Any]:
+    """A small study whose trials take a few seconds and checkpoint at every evaluation."""
+    return {
+        "name": "fault-tolerance",
+        "base": {
+            "task": {
+                "kind": "associative_recall",
+                "seq_len": 24,
+                "n_symbols": 16,
+                "n_pairs": 6,
+                "n_valid": 64,
+            },
+            "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64, "norm": "pre"},
+            "regularizer": {"kind": "locater", "lambda": 0.01},
+            "optim": {"lr": 0.003},
+            "batch_size": 32,
+            "steps": steps,
+            "eval_every": 20,
+            "eval_batches": 1,
+            "seed": 0,
+        },
+        "search_space": {"model.qk_init_std": {"type": "float", "low": 0.02, "high": 0.5}},
+        "sampler": {"kind": "random", "seed": 1},
+        "budget": {"n_trials": n_trials},
+        "parallelism": 2,
+        "max_retries": max_retries,
+        "objectives": [{"metric": "final_val_loss", "direction": "minimize"}],
+        "resources": {"cpus": 1, "gpus": 0},
+    }

@@ -18,24 +18,9 @@ from service.config import Settings
 from service.db.models import Metric, Study, Trial
 from service.db.session import make_engine, make_sessionmaker
 from service.ray_cluster import JobLauncher, LocalRayHead
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
-    head = LocalRayHead(
-        tmp_path_factory.mktemp("rayhome"),
-        gcs_port=free_port(),
-        dashboard_port=free_port(),
-        num_cpus=2,
-    )
-    head.start()
-    try:
-        yield head
-    finally:
-        head.stop()
 
 
 def small_quickstart(n_trials: int = 4, steps: int = 40) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from service.runner import run_study
 from service.spec import StudySpec, apply_params
 from service.studies import create_study
 from tests.conftest import free_port
-from tests.service.invariants import check_finished_study
+from tests.service.invariants import check_finished_study, fault_spec
 from workers.trial import run_trial
 
 pytestmark = pytest.mark.cluster
@@ -53,36 +53,6 @@ def cluster() -> Iterator[Cluster]:
     finally:
         ray.shutdown()
         c.shutdown()
-
-
-def node_loss_spec(n_trials: int, max_retries: int, steps: int = 160) -> dict[str, Any]:
-    return {
-        "name": "node-loss",
-        "base": {
-            "task": {
-                "kind": "associative_recall",
-                "seq_len": 24,
-                "n_symbols": 16,
-                "n_pairs": 6,
-                "n_valid": 64,
-            },
-            "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64, "norm": "pre"},
-            "regularizer": {"kind": "locater", "lambda": 0.01},
-            "optim": {"lr": 0.003},
-            "batch_size": 32,
-            "steps": steps,
-            "eval_every": 20,
-            "eval_batches": 1,
-            "seed": 0,
-        },
-        "search_space": {"model.qk_init_std": {"type": "float", "low": 0.02, "high": 0.5}},
-        "sampler": {"kind": "random", "seed": 1},
-        "budget": {"n_trials": n_trials},
-        "parallelism": 2,
-        "max_retries": max_retries,
-        "objectives": [{"metric": "final_val_loss", "direction": "minimize"}],
-        "resources": {"cpus": 1, "gpus": 0},
-    }
 
 
 class StudyThread:
@@ -147,7 +117,7 @@ def kill_node_and_replace(cluster: Cluster, node: Any) -> None:
 def test_killed_worker_node_trial_is_retried_and_resumes(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:
-    spec = node_loss_spec(n_trials=4, max_retries=2)
+    spec = fault_spec(n_trials=4, max_retries=2)
     run = StudyThread(db_url, tmp_path, spec)
     victim = run.wait_running(n=1, min_step=40)[0]
     kill_node_and_replace(cluster, worker_node_of(cluster, victim))
@@ -171,7 +141,7 @@ def test_killed_worker_node_trial_is_retried_and_resumes(
 def test_trial_out_of_retries_fails_with_reason_and_study_goes_on(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:
-    spec = node_loss_spec(n_trials=3, max_retries=0)
+    spec = fault_spec(n_trials=3, max_retries=0)
     run = StudyThread(db_url, tmp_path, spec)
     victim = run.wait_running(n=1, min_step=20)[0]
     kill_node_and_replace(cluster, worker_node_of(cluster, victim))
@@ -198,7 +168,7 @@ def test_dropped_database_connections_are_retried(
 ) -> None:
     """Every connection to the study's PostgreSQL database is terminated three times while
     trials run; the runner reconnects with backoff and the study finishes intact."""
-    run = StudyThread(pg_db_url, tmp_path, node_loss_spec(n_trials=4, max_retries=2))
+    run = StudyThread(pg_db_url, tmp_path, fault_spec(n_trials=4, max_retries=2))
     run.wait_running(n=1, min_step=20)
     name = pg_db_url.rsplit("/", 1)[1]
     killed = 0

@@ -1,0 +1,262 @@
+"""Restarts on a real Ray head with its job server (token auth): the runner's Ray job killed
+mid-study, the API process stopped and started mid-study, and the whole Ray cluster coming
+back empty. Each study must finish with every planned trial accounted for, completed trials
+untouched, and their metric rows intact and unduplicated."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from service.app import create_app
+from service.config import Settings
+from service.db import migrate
+from service.db.models import Study, StudyStatus
+from service.db.session import make_engine, make_sessionmaker
+from service.ray_cluster import JobLauncher, LocalRayHead
+from service.studies import reconcile
+from tests.conftest import free_port
+from tests.service.invariants import check_finished_study, fault_spec
+
+pytestmark = pytest.mark.cluster
+
+Get = Callable[[str], Any]
+
+
+def settings_for(db_url: str, head: LocalRayHead, home: Path, **kw: Any) -> Settings:
+    return Settings(
+        database_url=db_url,
+        ray_address=head.dashboard_url,
+        home=home,
+        checkpoint_dir=str(home / "ckpt"),
+        reconcile_interval_s=1.0,
+        **kw,
+    )
+
+
+def wait_until(what: str, cond: Callable[[], Any], timeout: float = 300) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if out := cond():
+            return out
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def progress(get: Get, sid: int) -> dict[str, Any] | None:
+    """Once a trial is COMPLETE and another RUNNING with a checkpoint: the study's trials."""
+    trials = get(f"/v1/studies/{sid}/trials?limit=100")["items"]
+    done = [t for t in trials if t["state"] == "COMPLETE"]
+    running = [t for t in trials if t["state"] == "RUNNING" and t["last_step"] >= 40]
+    return {"done": done, "running": running} if done and running else None
+
+
+def finished(get: Get, sid: int) -> dict[str, Any] | None:
+    study: dict[str, Any] = get(f"/v1/studies/{sid}")
+    return study if study["status"] in ("COMPLETED", "FAILED", "CANCELLED") else None
+
+
+def kill_runner(head: LocalRayHead, job_id: str) -> None:
+    """SIGKILL the study's runner process (the Ray job's driver), as a crash would."""
+    client = JobLauncher(head.dashboard_url)._client
+    info = wait_until("driver pid", lambda: client.get_job_info(job_id).driver_info, timeout=60)
+    os.kill(int(info.pid), signal.SIGKILL)
+    wait_until("job death", lambda: client.get_job_status(job_id).value == "FAILED", timeout=60)
+
+
+def snapshot(trials: list[dict[str, Any]]) -> dict[int, tuple[Any, ...]]:
+    return {t["number"]: (t["finished_at"], t["final_val_loss"], t["attempts"]) for t in trials}
+
+
+def assert_untouched(before: dict[int, tuple[Any, ...]], trials: list[Any]) -> None:
+    """Trials that had completed before the fault were not run again or rewritten."""
+    after = {
+        t.number: (_iso(t.finished_at), t.final_val_loss, t.attempts)
+        for t in trials
+        if t.number in before
+    }
+    want = {n: (_iso(datetime.fromisoformat(f)), v, a) for n, (f, v, a) in before.items()}
+    assert after == want
+
+
+def _iso(d: datetime) -> str:
+    return d.replace(tzinfo=None).isoformat(timespec="seconds")
+
+
+def job_attempts(db_url: str, sid: int) -> int:
+    engine = make_engine(db_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            return int(s.scalar(select(Study.job_attempts).where(Study.id == sid)) or 0)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def app(db_url: str, ray_head: LocalRayHead, tmp_path: Path) -> Iterator[tuple[TestClient, Get]]:
+    """The API in-process with its reconciler loop running every second."""
+    with TestClient(create_app(settings_for(db_url, ray_head, tmp_path))) as client:
+
+        def get(path: str) -> Any:
+            r = client.get(path)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        yield client, get
+
+
+def test_killed_runner_job_is_resubmitted(
+    app: tuple[TestClient, Get], db_url: str, ray_head: LocalRayHead
+) -> None:
+    client, get = app
+    r = client.post("/v1/studies", json=fault_spec(n_trials=5))
+    assert r.status_code == 201, r.text
+    sid, job_id = r.json()["id"], r.json()["ray_job_id"]
+    seen = wait_until("progress", lambda: progress(get, sid))
+    before = snapshot(seen["done"])
+    kill_runner(ray_head, job_id)
+
+    study = wait_until("study end", lambda: finished(get, sid), timeout=400)
+    assert study["status"] == "COMPLETED", study["error"]
+    assert job_attempts(db_url, sid) >= 2
+    assert study["ray_job_id"] != job_id
+    trials = check_finished_study(db_url, sid)
+    assert_untouched(before, trials)
+    interrupted = {t["number"] for t in seen["running"]}
+    assert all(t.attempts >= 2 for t in trials if t.number in interrupted)
+
+
+def test_ray_cluster_restart_resubmits_running_studies(
+    app: tuple[TestClient, Get], db_url: str, ray_head: LocalRayHead
+) -> None:
+    """The whole cluster goes away and comes back empty (same address, same token)."""
+    client, get = app
+    r = client.post("/v1/studies", json=fault_spec(n_trials=5))
+    assert r.status_code == 201, r.text
+    sid, job_id = r.json()["id"], r.json()["ray_job_id"]
+    before = snapshot(wait_until("progress", lambda: progress(get, sid))["done"])
+    ray_head.stop()
+    ray_head.start()
+    assert JobLauncher(ray_head.dashboard_url).status(job_id) is None, "the new cluster is empty"
+    study = wait_until("study end", lambda: finished(get, sid), timeout=400)
+    assert study["status"] == "COMPLETED", study["error"]
+    assert job_attempts(db_url, sid) >= 2
+    assert_untouched(before, check_finished_study(db_url, sid))
+
+
+class ApiProcess:
+    """`uvicorn service.app:create_app --factory` in a child process, configured by env."""
+
+    def __init__(self, env: dict[str, str], port: int) -> None:
+        self.env, self.port = env, port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
+            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, env=self.env)
+        wait_until("API up", self._healthy, timeout=60)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/healthz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_api_process_restart_mid_study(db_url: str, ray_head: LocalRayHead, tmp_path: Path) -> None:
+    """Restarting the API changes nothing for a live study; an API that starts after the
+    study's job died (while the API was down) resubmits it on its first reconcile."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QKSCOPE_")}
+    env |= {
+        "QKSCOPE_DATABASE_URL": db_url,
+        "QKSCOPE_RAY_ADDRESS": ray_head.dashboard_url,
+        "QKSCOPE_HOME": str(tmp_path),
+        "QKSCOPE_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        "QKSCOPE_RECONCILE_INTERVAL_S": "1",
+        "QKSCOPE_API_TOKENS": "restart-test-token",
+    }
+    api = ApiProcess(env, port)
+    http = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}",
+        headers={"Authorization": "Bearer restart-test-token"},
+        timeout=30,
+    )
+
+    def get(path: str) -> Any:
+        r = http.get(path)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    api.start()
+    try:
+        r = http.post("/v1/studies", json=fault_spec(n_trials=6))
+        assert r.status_code == 201, r.text
+        sid, job_id = r.json()["id"], r.json()["ray_job_id"]
+        wait_until("a trial running", lambda: progress(get, sid) or finished(get, sid))
+
+        # 1. Stop and start the API while the runner works: the same job carries on.
+        api.stop()
+        time.sleep(2)
+        api.start()
+        time.sleep(3)  # three reconcile rounds
+        assert job_attempts(db_url, sid) == 1
+        assert JobLauncher(ray_head.dashboard_url).status(job_id) in ("RUNNING", "SUCCEEDED")
+
+        # 2. The runner dies while the API is down: the restarted API resubmits it.
+        seen = wait_until("progress", lambda: progress(get, sid), timeout=300)
+        api.stop()
+        kill_runner(ray_head, job_id)
+        api.start()
+        study = wait_until("study end", lambda: finished(get, sid), timeout=400)
+        assert study["status"] == "COMPLETED", study["error"]
+        assert job_attempts(db_url, sid) == 2
+        assert_untouched(snapshot(seen["done"]), check_finished_study(db_url, sid))
+    finally:
+        http.close()
+        if api.proc is not None and api.proc.poll() is None:
+            api.proc.kill()
+
+
+def test_reconciler_gives_up_after_max_job_attempts(
+    db_url: str, ray_head: LocalRayHead, tmp_path: Path
+) -> None:
+    """A study whose runner job keeps dying is FAILED with the reason, not resubmitted
+    forever (its job id is one Ray does not know: the cluster lost it)."""
+    migrate.upgrade(db_url)
+    settings = settings_for(db_url, ray_head, tmp_path, max_job_attempts=3)
+    engine = make_engine(db_url)
+    sessions = make_sessionmaker(engine)
+    with sessions.begin() as s:
+        doomed = Study(
+            name="doomed", status=StudyStatus.RUNNING, spec=fault_spec(1), n_trials=1,
+            optuna_study_name="x", ray_job_id="qkscope-study-0-a3-gone", job_attempts=3,
+        )  # fmt: skip
+        s.add(doomed)
+    assert reconcile(sessions, JobLauncher(ray_head.dashboard_url), settings, grace_s=0) == 0
+    with sessions() as s:
+        row = s.get(Study, doomed.id)
+        assert row is not None and row.status == StudyStatus.FAILED
+        assert row.error and "died 3 times" in row.error and "gone" in row.error
+    engine.dispose()
