@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Generic, TypeVar
+from datetime import UTC, datetime
+from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
 
 from service.db.models import Study, Trial
 
 __all__ = ["ErrorBody", "FieldError", "MetricOut", "Page", "StudyOut", "TrialOut"]
+
+
+def _utc(d: datetime) -> datetime:
+    return d if d.tzinfo else d.replace(tzinfo=UTC)
+
+
+# SQLite hands back naive datetimes; every stored time is UTC, so say so in the JSON.
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
 
 
 class FieldError(BaseModel):
@@ -32,9 +40,9 @@ class StudyOut(BaseModel):
     job_attempts: int
     optuna_study_name: str
     error: str | None
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
     spec: dict[str, Any]
 
     @classmethod
@@ -64,8 +72,8 @@ class TrialOut(BaseModel):
     rank_collapse: bool | None
     trapped: bool | None
     error: str | None
-    started_at: datetime
-    finished_at: datetime | None
+    started_at: UtcDatetime
+    finished_at: UtcDatetime | None
     duration_s: float | None
     summary: dict[str, Any] | None = None
 

@@ -13,9 +13,8 @@ known gap (not a 5xx; see the report on issue #4): `status_code_conformance` (40
 413, 415 and the idempotent-replay 200 are not documented), `positive_data_acceptance` (the
 document cannot say everything the server checks: `status` is a pattern, not the enum; `where`
 and `sort` have a grammar; cross-field spec rules; the YAML body is "any string"),
-`negative_data_rejection` (pydantic's lax mode accepts true/false for integer fields). On SQLite,
-timestamps come back without a UTC offset, which `format: date-time` rejects, so formats are
-validated on PostgreSQL only.
+`negative_data_rejection` (pydantic's lax mode accepts true/false for integer fields). Formats
+(`date-time` with a UTC offset, also on SQLite) are validated on both databases.
 
 Unauthenticated requests are tests/service/test_auth.py's job (every route, eight bad headers).
 """
@@ -159,9 +158,7 @@ schema = schemathesis.openapi.from_dict(
 def run(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     backend = module_db_url.split(":", 1)[0]
     app = app_for(module_db_url, tmp_path_factory.mktemp("home"))
-    # SQLite gives back naive timestamps (no UTC offset), which `format: date-time` rejects:
-    # see the module docstring. The items of one database run together (module-scoped param).
-    schema.config.checks.response_schema_conformance.validate_formats = backend == "postgresql"
+    schema.config.checks.response_schema_conformance.validate_formats = True
     migrate.upgrade(module_db_url)  # the app's lifespan does it too, once per test item
     engine = make_engine(module_db_url)
     try:
