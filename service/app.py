@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
 from service import prom
@@ -78,6 +80,10 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
         version="0.1.0",
         summary="Which training settings keep a transformer's attention healthy?",
         lifespan=lifespan,
+        # Served below behind the token like every route but /healthz.
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     install_error_handlers(app)
     auth = [Depends(require_token)]
@@ -103,6 +109,15 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+    def openapi_json() -> dict[str, Any]:
+        return app.openapi()
+
+    @app.get("/docs", include_in_schema=False, dependencies=auth)
+    def docs() -> HTMLResponse:
+        """Swagger UI. With tokens configured, the browser must send the bearer header too."""
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="qkscope API")
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:
