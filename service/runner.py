@@ -185,28 +185,54 @@ class StudyRunner:
         self._launch(inbox, trial, params, with_retry(insert, "insert trial"))
 
     def _resume_orphans(self, inbox: Any) -> None:
-        """Trials left RUNNING by a dead runner: relaunch them (they resume from checkpoint)."""
+        """Trials Optuna still has RUNNING after a dead runner.
+
+        Ours is the record of truth: a trial our table already shows finished (the runner
+        died between recording it and telling Optuna) is told to Optuna as recorded, never
+        run again; a running one is relaunched and resumes from its checkpoint.
+        """
         orphans = self.study.get_trials(deepcopy=False, states=(OptunaState.RUNNING,))
         for ft in orphans:
 
-            def claim(number: int = ft.number) -> tuple[dict[str, Any], int] | None:
+            def claim(number: int = ft.number) -> Trial | None:
                 with session_scope(self.sessions) as s:
                     row = s.scalars(
                         select(Trial).where(Trial.study_id == self.study_id, Trial.number == number)
                     ).one_or_none()
-                    if row is None:
-                        return None
-                    row.state, row.attempts = TrialState.RUNNING, row.attempts + 1
-                    return dict(row.params), row.id
+                    if row is not None and row.state == TrialState.RUNNING:
+                        row.attempts += 1
+                    return row
 
-            claimed = with_retry(claim, "claim orphan")
-            if claimed is None:  # asked but never recorded: give Optuna its answer
-                self.study.tell(ft.number, state=OptunaState.FAIL, skip_if_finished=True)
-                continue
-            params, row_id = claimed
+            row = with_retry(claim, "claim orphan")
             trial = optuna.Trial(self.study, ft._trial_id)
-            self._launch(inbox, trial, params, row_id)
-            log.info("relaunched trial %d (attempt after runner restart)", ft.number)
+            if row is None or row.state in (TrialState.FAILED, TrialState.CANCELLED):
+                # Asked but never recorded, or recorded as failed: give Optuna that answer.
+                tell = functools.partial(
+                    self.study.tell, ft.number, state=OptunaState.FAIL, skip_if_finished=True
+                )
+                with_retry(tell, "tell orphan")
+            elif row.state != TrialState.RUNNING:
+                self._tell_recorded(trial, row)
+            else:
+                self._launch(inbox, trial, dict(row.params), row.id)
+                log.info("relaunched trial %d (attempt %d)", ft.number, row.attempts)
+
+    def _tell_recorded(self, trial: optuna.Trial, row: Trial) -> None:
+        """Tell Optuna the outcome our table recorded for a finished trial."""
+        summary = row.summary or {}
+        steps = int(self.spec.base.steps)
+        constraints = [c.violation(summary, steps) for c in self.spec.constraints] or [0.0]
+        values = [
+            (math.inf if o.direction == "minimize" else -math.inf) if v is None else float(v)
+            for o, v in zip(
+                self.spec.objectives, row.values or [None] * len(self.spec.objectives), strict=False
+            )
+        ]
+        entry = _Running(trial=trial, row_id=row.id, number=row.number, started=time.monotonic())
+        status = str(summary.get("status", "completed"))
+        state = TrialState(row.state)
+        with_retry(lambda: self._tell(entry, status, state, values, constraints), "tell recorded")
+        log.info("trial %d was recorded %s before the runner died; told Optuna", row.number, state)
 
     # ---- reports ------------------------------------------------------------------------------
 

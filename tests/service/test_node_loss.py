@@ -188,3 +188,43 @@ def test_dropped_database_connections_are_retried(
     assert all(t.state == "COMPLETE" for t in trials)
     with make_sessionmaker(make_engine(pg_db_url))() as s:
         assert s.scalar(select(Study.status).where(Study.id == run.study_id)) == "COMPLETED"
+
+
+def test_trial_recorded_but_not_told_is_not_run_again(
+    cluster: Cluster, db_url: str, tmp_path: Path
+) -> None:
+    """The runner died after writing a trial's result and before telling Optuna: the next
+    runner tells Optuna what the table says instead of running the trial again."""
+    spec = fault_spec(n_trials=1)
+    migrate.upgrade(db_url)
+    settings = Settings(database_url=db_url, home=tmp_path, checkpoint_dir=str(tmp_path / "c"))
+    engine = make_engine(db_url)
+    sessions = make_sessionmaker(engine)
+    row, _ = create_study(sessions, StudySpec.model_validate(spec))
+    storage = optuna.storages.RDBStorage(normalize_url(db_url))
+    asked = optuna.create_study(
+        study_name=f"qkscope-{row.id}", storage=storage, direction="minimize"
+    ).ask()
+    summary = {"status": "completed", "final_val_loss": 1.25, "eval_steps": [20]}
+    with sessions.begin() as s:
+        s.add(
+            Trial(
+                study_id=row.id,
+                number=asked.number,
+                state="COMPLETE",
+                params={},
+                value=1.25,
+                values=[1.25],
+                summary=summary,
+                final_val_loss=1.25,
+            )  # fmt: skip
+        )
+    assert run_study(row.id, settings) == "COMPLETED"
+    ft = optuna.load_study(study_name=f"qkscope-{row.id}", storage=storage).trials
+    assert [(t.state, t.values) for t in ft] == [(optuna.trial.TrialState.COMPLETE, [1.25])]
+    with sessions() as s:
+        trials = list(s.scalars(select(Trial).where(Trial.study_id == row.id)))
+        assert [(t.number, t.attempts, t.final_val_loss) for t in trials] == [(0, 1, 1.25)]
+    assert not (tmp_path / "c").exists(), "no trial task ran"
+    storage.engine.dispose()
+    engine.dispose()
