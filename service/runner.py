@@ -516,7 +516,11 @@ class StudyRunner:
                 asked += 1
             if not self.running:
                 break
-            ready, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=POLL_S)
+            # Wake as soon as any trial ends (a free slot is refilled at once), else after POLL_S.
+            refs = list(self.running)
+            ready, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
+            if ready:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             reports, starts = ray.get([inbox.drain.remote(), inbox.drain_starts.remote()])
             self._record_starts(starts)
             self._persist_reports(reports, inbox)
