@@ -138,6 +138,71 @@ def results_table(
     return "\n".join(out)
 
 
+# service.plots.PLOT_KINDS, repeated: importing service.plots would pull in the spec (torch).
+PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history")
+PLOT_PARAMS = ("metric", "trials", "layer", "head", "x", "y", "color", "objective")
+
+
+def _ok(r: httpx.Response) -> httpx.Response:
+    """`r` if it succeeded; else the API's error printed and exit 1 (like _check)."""
+    if r.status_code >= 400:
+        r.read()
+        _check(r)
+    return r
+
+
+def fetch_plot(
+    study_id: int,
+    kind: str,
+    params: dict[str, Any],
+    out: str | None = None,
+    as_json: bool = False,
+    api_url: str | None = None,
+) -> str:
+    """GET /v1/studies/<id>/plots/<kind>: the PNG written to `out` (default
+    study-<id>-<kind>.png; `-` for stdout), or with `as_json` the plot's data as text."""
+    query = {k: v for k, v in params.items() if v is not None}
+    if as_json:
+        query["format"] = "json"
+    with _client(api_url) as c:
+        r = _ok(c.get(f"/v1/studies/{study_id}/plots/{kind}", params=query))
+    if as_json:
+        return json.dumps(r.json(), indent=2)
+    path = out or f"study-{study_id}-{kind}.png"
+    if path == "-":
+        sys.stdout.buffer.write(r.content)
+        return path
+    Path(path).write_bytes(r.content)
+    return path
+
+
+def export(
+    study_id: int,
+    fmt: str = "csv",
+    metrics: bool = False,
+    table: str | None = None,
+    out: str | None = None,
+    api_url: str | None = None,
+) -> str:
+    """GET /v1/studies/<id>/export streamed into `out` (default: the server's file name)."""
+    params: dict[str, Any] = {"format": fmt, "metrics": str(metrics).lower()}
+    if table:
+        params["table"] = table
+    with (
+        _client(api_url) as c,
+        c.stream("GET", f"/v1/studies/{study_id}/export", params=params) as r,
+    ):
+        _ok(r)
+        disposition = r.headers.get("content-disposition", "")
+        suggested = Path(disposition.partition('filename="')[2].rstrip('"')).name  # no dirs
+        default = suggested or f"study-{study_id}.{fmt}"
+        path = out or default
+        with open(path, "wb") as f:
+            for chunk in r.iter_bytes():
+                f.write(chunk)
+    return path
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -238,7 +303,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("id", type=int)
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--sort", default="value")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="JSON (with --plot: the plot's data)")
+    p.add_argument("--plot", choices=PLOT_KINDS, help="write this plot of the study as a PNG")
+    p.add_argument("--out", metavar="FILE", help="with --plot: where (default study-ID-KIND.png)")
+    p.add_argument("--metric", help="--plot metric: metric name (default val_loss)")
+    p.add_argument("--trials", help="--plot metric: trial numbers, comma-separated")
+    p.add_argument("--layer", type=int)
+    p.add_argument("--head", type=int)
+    p.add_argument("--x", help="--plot scatter/phase: params.<path> or a summary metric")
+    p.add_argument("--y", help="--plot scatter/phase: a summary metric or params.<path>")
+    p.add_argument("--color", help="--plot scatter: params.<path>, a metric, or none")
+    p.add_argument("--objective", type=int, help="--plot history: objective index")
+    p = sub.add_parser("export", help="a study's trials (and metric rows) as CSV or Parquet")
+    p.add_argument("id", type=int)
+    p.add_argument("--format", choices=["csv", "parquet"], default="csv")
+    p.add_argument("--metrics", action="store_true", help="a zip of trials and metric rows")
+    p.add_argument("--table", choices=["trials", "metrics"], help="just this table")
+    p.add_argument("--out", metavar="FILE", help="default: the name the server suggests")
     p = sub.add_parser("cancel", help="cancel a study")
     p.add_argument("id", type=int)
     p = sub.add_parser("db", help="database maintenance")
@@ -263,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(_check(c.get(f"/v1/studies/{args.id}/summary")), indent=2))
         return 0
     if args.cmd == "results":
+        if args.plot:
+            params = {k: getattr(args, k) for k in PLOT_PARAMS}
+            written = fetch_plot(args.id, args.plot, params, args.out, as_json=args.json)
+            if args.json:
+                print(written)
+            elif written != "-":
+                print(f"wrote {written}", file=sys.stderr)
+            return 0
         if args.json:
             with _client() as c:
                 print(
@@ -278,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             return 0
         print(results_table(args.id, limit=args.limit, sort=args.sort))
+        return 0
+    if args.cmd == "export":
+        path = export(args.id, args.format, args.metrics, args.table, args.out)
+        print(f"wrote {path}", file=sys.stderr)
         return 0
     if args.cmd == "cancel":
         with _client() as c:

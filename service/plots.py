@@ -82,6 +82,7 @@ NUMERIC_FIELDS = tuple(dict.fromkeys((*_COLUMNS, *SUMMARY_METRICS)))
 FLAG_FIELDS = ("entropy_collapse", "rank_collapse", "trapped", "feasible")
 CATEGORY_FIELDS = ("state", "collapse_class")
 _METRIC_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+_NUMBER = re.compile(r"[0-9]{1,9}")  # ASCII only: str.isdigit() also accepts "²"
 _TABLE_COLUMNS = frozenset((*_COLUMNS, *FLAG_FIELDS, "state"))
 
 
@@ -237,7 +238,7 @@ def _parse_trials(raw: str) -> list[int]:
         part = part.strip()
         if not part:
             continue
-        if not part.isdigit() or len(part) > 9:
+        if not _NUMBER.fullmatch(part):
             raise PlotError("trials", f"{part!r} is not a trial number")
         out.append(int(part))
     if not out:
@@ -429,7 +430,7 @@ def _objective_index(objs: list[dict[str, str]], name: str | None, default: int,
     if name is None:
         return default
     metrics = [ob["metric"] for ob in objs]
-    if name.isdigit() and int(name) < len(objs):
+    if _NUMBER.fullmatch(name) and int(name) < len(objs):
         return int(name)
     if name in metrics:
         return metrics.index(name)
@@ -567,6 +568,7 @@ def _positions(values: list[Any]) -> tuple[list[float], list[str] | None]:
 def _set_axis(ax: Any, which: str, ticks: list[str] | None, log: bool) -> None:
     if ticks is not None:
         getattr(ax, f"set_{which}ticks")(range(len(ticks)), ticks)
+        getattr(ax, f"set_{which}lim")(-0.5, len(ticks) - 0.5)
     elif log:
         getattr(ax, f"set_{which}scale")("log")
 
@@ -666,17 +668,36 @@ def _draw_phase(ax: Any, data: dict[str, Any]) -> None:
 def _draw_pareto(ax: Any, data: dict[str, Any]) -> None:
     pts = data["points"]
     if len(data["objectives"]) == 1:
+        groups = (
+            ("trials", [p for p in pts if not p["on_front"] and p["feasible"] is not False], None),
+            (
+                "infeasible",
+                [p for p in pts if not p["on_front"] and p["feasible"] is False],
+                "none",
+            ),
+        )
+        for label, sel, face in groups:
+            if sel:
+                ax.scatter(
+                    [p["rank"] for p in sel],
+                    [p["values"][0] for p in sel],
+                    color="#1f77b4",
+                    facecolors=face,
+                    s=30,
+                    label=f"{label} ({len(sel)})",
+                )
         for p in pts:
-            best = p["on_front"]
-            ax.scatter(
-                [p["rank"]],
-                [p["values"][0]],
-                color="#d62728" if best else "#1f77b4",
-                marker="*" if best else "o",
-                s=160 if best else 30,
-                facecolors=None if p["feasible"] is not False else "none",
-                zorder=3 if best else 2,
-            )
+            if p["on_front"]:
+                ax.scatter(
+                    [p["rank"]],
+                    [p["values"][0]],
+                    color="#d62728",
+                    marker="*",
+                    s=200,
+                    zorder=3,
+                    label=f"best: trial {p['trial']}",
+                )
+        ax.legend(fontsize="small")
         return
     xi, yi = data["x_objective"], data["y_objective"]
     front = sorted((p for p in pts if p["on_front"]), key=lambda p: p["values"][xi])
@@ -706,15 +727,21 @@ def _draw_pareto(ax: Any, data: dict[str, Any]) -> None:
 
 def _draw_history(ax: Any, data: dict[str, Any]) -> None:
     for state, color in STATE_COLOR.items():
-        sel = [p for p in data["points"] if p["state"] == state]
-        if sel:
-            ax.scatter(
-                [p["trial"] for p in sel],
-                [p["value"] for p in sel],
-                color=color,
-                s=24,
-                label=state.lower(),
-            )
+        for infeasible in (False, True):
+            sel = [
+                p
+                for p in data["points"]
+                if p["state"] == state and (p["feasible"] is False) == infeasible
+            ]
+            if sel:
+                ax.scatter(
+                    [p["trial"] for p in sel],
+                    [p["value"] for p in sel],
+                    color=color,
+                    facecolors="none" if infeasible else None,
+                    s=24,
+                    label=state.lower() + (" (infeasible)" if infeasible else ""),
+                )
     if data["best"]:
         ax.step(
             [b["trial"] for b in data["best"]],

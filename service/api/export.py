@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
-from service.api.schemas import FieldError
+from service.api.schemas import ErrorBody, FieldError
 from service.db.models import Study
 from service.export import MEDIA_TYPES, export_stream
 
@@ -26,8 +26,8 @@ EXPORT_DOC: dict[int | str, dict[str, Any]] = {
         "description": "one table (CSV or Parquet), or with metrics=true a zip of both",
         "content": {"text/csv": {}, "application/vnd.apache.parquet": {}, "application/zip": {}},
     },
-    404: {"description": "no such study"},
-    422: {"description": "a bad parameter, named in errors[].field"},
+    404: {"model": ErrorBody, "description": "no such study"},
+    422: {"model": ErrorBody, "description": "a bad parameter, named in errors[].field"},
 }
 
 

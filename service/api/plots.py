@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
-from service.api.schemas import FieldError
+from service.api.schemas import ErrorBody, FieldError
 from service.db.models import Study
 from service.plots import PLOT_KINDS, PlotError, PlotOptions, plot_data, render_png
 
@@ -42,8 +42,11 @@ PNG_DOC: dict[int | str, dict[str, Any]] = {
         "description": "a PNG (default) or, with format=json, the plot's data",
         "content": {"image/png": {}, "application/json": {}},
     },
-    404: {"description": "no such study"},
-    422: {"description": "a bad plot kind or parameter, named in errors[].field"},
+    404: {"model": ErrorBody, "description": "no such study"},
+    422: {
+        "model": ErrorBody,
+        "description": "a bad plot kind or parameter, named in errors[].field",
+    },
 }
 
 
@@ -76,7 +79,7 @@ def get_plot(
     format: Literal["png", "json"] | None = None,
     width: Pixels = 900,
     height: Pixels = 600,
-    accept: Annotated[str | None, Header()] = None,
+    accept: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> Response:
     """Kinds: `metric` (`metric=`, `trials=3,7`, `layer=`, `head=`), `scatter` (`x=params.<path>`,
     `y=<summary metric>`, `color=`), `phase` (collapse classes over `x`, `y`), `pareto`

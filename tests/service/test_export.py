@@ -1,0 +1,518 @@
+"""GET /v1/studies/{id}/export (CSV, Parquet, zip of both tables) and `qkscope export`, on real
+SQLite and PostgreSQL databases. Rows are seeded with the ORM; every file is read back with the
+csv module, pyarrow.csv or pyarrow.parquet and compared with what was inserted."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.app import create_app
+from service.config import Settings, get_settings
+from service.db.models import Metric, Trial
+from service.db.session import make_engine
+from service.export import export_stream
+from tests.conftest import free_port
+
+TOKEN = "export-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+T0 = datetime(2026, 3, 4, 5, 6, 7, 123456, tzinfo=UTC)
+
+SPACE: dict[str, Any] = {
+    "regularizer.lambda": {"type": "float", "low": 0.0001, "high": 1.0, "log": True},
+    "model.n_layers": {"type": "int", "low": 1, "high": 4},
+    "model.norm": {"type": "categorical", "choices": ["pre", "post"]},
+    "model.skip": {"type": "categorical", "choices": [True, False]},
+}
+# number, state, lambda, n_layers, norm, skip, value, summary numbers, flags, feasible
+TRIALS: list[dict[str, Any]] = [
+    {"number": 0, "state": "COMPLETE", "lam": 0.5, "nl": 2, "norm": "pre", "skip": True,
+     "value": 2.125, "mne": 0.35, "ec": False, "rc": False, "trapped": False, "feasible": True,
+     "cls": "healthy"},
+    {"number": 1, "state": "COMPLETE", "lam": 0.0021, "nl": 4, "norm": "post", "skip": False,
+     "value": 1.7000000000000002, "mne": 0.05, "ec": True, "rc": True, "trapped": False,
+     "feasible": False, "cls": "both"},
+    {"number": 2, "state": "PRUNED", "lam": 0.03, "nl": 1, "norm": "pre", "skip": True,
+     "value": 2.9, "mne": 0.2, "ec": False, "rc": True, "trapped": False, "feasible": None,
+     "cls": "rank_collapse"},
+    {"number": 3, "state": "DIVERGED", "lam": 0.9, "nl": 3, "norm": "post", "skip": False,
+     "value": None, "mne": None, "ec": True, "rc": False, "trapped": False, "feasible": None,
+     "cls": "diverged"},
+    {"number": 4, "state": "RUNNING", "lam": 1e-4, "nl": 1, "norm": "pre", "skip": True,
+     "value": None, "mne": None, "ec": None, "rc": None, "trapped": None, "feasible": None,
+     "cls": None},
+]  # fmt: skip
+METRIC_TRIALS = (0, 1, 3)
+
+
+def summary_of(d: dict[str, Any]) -> dict[str, Any] | None:
+    if d["state"] == "RUNNING":
+        return None
+    n = d["number"]
+    return {
+        "status": {"DIVERGED": "diverged", "PRUNED": "pruned"}.get(d["state"], "completed"),
+        "final_val_loss": d["value"],
+        "best_val_loss": None if d["value"] is None else d["value"] - 0.1,
+        "final_train_loss": 1.0 + n / 8,
+        "min_norm_entropy": d["mne"],
+        "min_norm_entropy_ever": None if d["mne"] is None else d["mne"] / 2,
+        "final_rank_ratio": 0.25 + n / 16,
+        "qk_eig_var": 0.001 * (n + 1),
+        "qk_eig_mean": -0.5 + n,
+        "plateau_count": n,
+        "plateau_steps": 10 * n,
+        "longest_plateau": 5 * n,
+        "entropy_collapse": d["ec"],
+        "rank_collapse": d["rc"],
+        "trapped": d["trapped"],
+        "eval_steps": [0, 50, 100],
+        "val_losses": [3.0, 2.5, d["value"]],
+    }
+
+
+def metric_rows(number: int) -> list[tuple[str, int | None, int | None, int, float | None]]:
+    rows: list[tuple[str, int | None, int | None, int, float | None]] = []
+    for step in (0, 50, 100):
+        rows.append(("val_loss", None, None, step, 3.0 - step / 70 + number))
+        rows.append(("train_loss", None, None, step, None if step == 50 else 3.1 - step / 90))
+        for layer in (0, 1, 2):
+            rows.append(("rank_ratio", layer, None, step, 0.5 + layer / 7 - step / 1000))
+        for layer in (0, 1):
+            for head in (0, 1):
+                rows.append(("attn_entropy_norm", layer, head, step, 0.9 - (layer + head) / 13))
+    return rows
+
+
+# --- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def app_settings(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    home = tmp_path_factory.mktemp("home")
+    return Settings(database_url=module_db_url, ray_address="", api_tokens=TOKEN, home=home)
+
+
+@pytest.fixture(scope="module")
+def client(app_settings: Settings) -> Iterator[TestClient]:
+    app = create_app(app_settings, reconcile_loop=False)
+    with TestClient(app, raise_server_exceptions=False, headers=AUTH) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine(client: TestClient, module_db_url: str) -> Iterator[Engine]:
+    eng = make_engine(module_db_url)
+    yield eng
+    eng.dispose()
+
+
+def create(client: TestClient, body: dict[str, Any]) -> int:
+    r = client.post("/v1/studies", json=body)
+    assert r.status_code == 201, r.text
+    return int(r.json()["id"])
+
+
+def seed(engine: Engine, sid: int, n_objectives: int = 1) -> dict[int, int]:
+    with Session(engine) as s:
+        for d in TRIALS:
+            v = d["value"]
+            values = None if v is None else [v, -v][:n_objectives]
+            s.add(
+                Trial(
+                    study_id=sid,
+                    number=d["number"],
+                    state=d["state"],
+                    params={
+                        "regularizer.lambda": d["lam"],
+                        "model.n_layers": d["nl"],
+                        "model.norm": d["norm"],
+                        "model.skip": d["skip"],
+                    },
+                    seed=100 + d["number"],
+                    attempts=1 + d["number"] % 2,
+                    node=None if d["state"] == "RUNNING" else f"node-{d['number']}",
+                    value=v,
+                    values=values,
+                    feasible=d["feasible"],
+                    summary=summary_of(d),
+                    error='boom, "quoted"\nsecond line' if d["state"] == "DIVERGED" else None,
+                    last_step=100,
+                    metric_rows=len(metric_rows(0)) if d["number"] in METRIC_TRIALS else 0,
+                    final_val_loss=v,
+                    min_norm_entropy=d["mne"],
+                    final_rank_ratio=None if d["state"] == "RUNNING" else 0.25 + d["number"] / 16,
+                    qk_eig_var=None if d["state"] == "RUNNING" else 0.001 * (d["number"] + 1),
+                    plateau_steps=None if d["state"] == "RUNNING" else 10 * d["number"],
+                    entropy_collapse=d["ec"],
+                    rank_collapse=d["rc"],
+                    trapped=d["trapped"],
+                    started_at=T0 + timedelta(minutes=d["number"]),
+                    finished_at=None
+                    if d["state"] == "RUNNING"
+                    else T0 + timedelta(minutes=d["number"], seconds=30),
+                    duration_s=None if d["state"] == "RUNNING" else 30.0 + d["number"] / 4,
+                )
+            )
+        s.commit()
+        ids = dict(s.execute(select(Trial.number, Trial.id).where(Trial.study_id == sid)).all())
+        for n in METRIC_TRIALS:
+            s.add_all(
+                Metric(trial_id=ids[n], name=name, layer=-1 if la is None else la,
+                       head=-1 if h is None else h, step=st, value=val)
+                for name, la, h, st, val in metric_rows(n)
+            )  # fmt: skip
+        s.commit()
+    return {int(k): int(v) for k, v in ids.items()}
+
+
+@pytest.fixture(scope="module")
+def seeded(client: TestClient, engine: Engine) -> dict[str, Any]:
+    sid = create(client, {"name": "export", "budget": {"n_trials": 10}, "search_space": SPACE})
+    return {"sid": sid, "ids": seed(engine, sid)}
+
+
+# --- what the files must hold ---------------------------------------------------------------
+
+FIXED_COLUMNS = [
+    "study_id", "trial_id", "number", "state", "value", "feasible", "seed", "attempts", "node",
+    "last_step", "metric_rows", "started_at", "finished_at", "duration_s", "error", "status",
+    "final_val_loss", "best_val_loss", "final_train_loss", "min_norm_entropy",
+    "min_norm_entropy_ever", "final_rank_ratio", "qk_eig_var", "qk_eig_mean", "plateau_count",
+    "plateau_steps", "longest_plateau", "entropy_collapse", "rank_collapse", "trapped",
+    "collapse_class",
+]  # fmt: skip
+PARAM_COLUMNS = [f"params.{p}" for p in SPACE]
+
+
+def expected_trials(sid: int, ids: dict[int, int]) -> list[dict[str, Any]]:
+    out = []
+    for d in TRIALS:
+        n, s = d["number"], summary_of(d) or {}
+        running = d["state"] == "RUNNING"
+        row: dict[str, Any] = {
+            "study_id": sid,
+            "trial_id": ids[n],
+            "number": n,
+            "state": d["state"],
+            "value": d["value"],
+            "feasible": d["feasible"],
+            "seed": 100 + n,
+            "attempts": 1 + n % 2,
+            "node": None if running else f"node-{n}",
+            "last_step": 100,
+            "metric_rows": len(metric_rows(0)) if n in METRIC_TRIALS else 0,
+            "started_at": T0 + timedelta(minutes=n),
+            "finished_at": None if running else T0 + timedelta(minutes=n, seconds=30),
+            "duration_s": None if running else 30.0 + n / 4,
+            "error": 'boom, "quoted"\nsecond line' if d["state"] == "DIVERGED" else None,
+            "status": s.get("status"),
+            "collapse_class": d["cls"],
+            "params.regularizer.lambda": d["lam"],
+            "params.model.n_layers": d["nl"],
+            "params.model.norm": d["norm"],
+            "params.model.skip": d["skip"],
+        }
+        for k in FIXED_COLUMNS:
+            if k not in row:
+                row[k] = s.get(k)
+        out.append(row)
+    return out
+
+
+def expected_metrics(ids: dict[int, int]) -> list[dict[str, Any]]:
+    rows = []
+    for n in METRIC_TRIALS:
+        for name, la, h, st, val in metric_rows(n):
+            rows.append({"number": n, "trial_id": ids[n], "name": name, "layer": la, "head": h,
+                         "step": st, "value": val})  # fmt: skip
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        nix = -1
+        return (r["number"], r["name"], r["layer"] if r["layer"] is not None else nix,
+                r["head"] if r["head"] is not None else nix, r["step"])  # fmt: skip
+
+    return sorted(rows, key=key)
+
+
+def parse_csv_cell(column: str, text: str) -> Any:
+    """The inverse of the documented CSV encoding, column by column."""
+    if text == "":
+        return None
+    if column in ("started_at", "finished_at"):
+        return datetime.fromisoformat(text)
+    if column in ("feasible", "entropy_collapse", "rank_collapse", "trapped", "params.model.skip"):
+        assert text in ("true", "false"), (column, text)
+        return text == "true"
+    ints = {"study_id", "trial_id", "number", "seed", "attempts", "last_step", "metric_rows",
+            "plateau_count", "plateau_steps", "longest_plateau", "params.model.n_layers",
+            "layer", "head", "step"}  # fmt: skip
+    if column in ints:
+        return int(text)
+    strings = {"state", "node", "error", "status", "collapse_class", "params.model.norm", "name"}
+    if column in strings:
+        return text
+    return float(text)
+
+
+def read_csv(data: bytes) -> tuple[list[str], list[dict[str, Any]]]:
+    reader = csv.reader(io.StringIO(data.decode("utf-8"), newline=""))
+    header = next(reader)
+    rows = [{c: parse_csv_cell(c, v) for c, v in zip(header, r, strict=True)} for r in reader]
+    return header, rows
+
+
+def get(client: TestClient, sid: int, **params: Any) -> Any:
+    r = client.get(f"/v1/studies/{sid}/export", params=params)
+    assert r.status_code == 200, r.text
+    return r
+
+
+# --- trials ---------------------------------------------------------------------------------
+
+
+def test_trials_csv_round_trips(client: TestClient, seeded: dict[str, Any]) -> None:
+    sid = seeded["sid"]
+    r = get(client, sid)  # format=csv, the trials table, by default
+    assert r.headers["content-type"] == "text/csv; charset=utf-8"
+    assert r.headers["content-disposition"] == f'attachment; filename="study-{sid}-trials.csv"'
+    header, rows = read_csv(r.content)
+    assert header == FIXED_COLUMNS + PARAM_COLUMNS
+    assert rows == expected_trials(sid, seeded["ids"])
+    # pyarrow's CSV reader sees the same table (types inferred from the text).
+    table = pacsv.read_csv(io.BytesIO(r.content))
+    assert table.column_names == header and table.num_rows == len(TRIALS)
+    assert table.column("params.regularizer.lambda").to_pylist() == [d["lam"] for d in TRIALS]
+    assert table.column("params.model.skip").to_pylist() == [d["skip"] for d in TRIALS]
+    assert table.column("entropy_collapse").to_pylist() == [d["ec"] for d in TRIALS]
+
+
+def test_trials_parquet_round_trips_with_types(client: TestClient, seeded: dict[str, Any]) -> None:
+    sid = seeded["sid"]
+    r = get(client, sid, format="parquet")
+    assert r.headers["content-type"] == "application/vnd.apache.parquet"
+    assert r.headers["content-disposition"] == f'attachment; filename="study-{sid}-trials.parquet"'
+    table = pq.read_table(io.BytesIO(r.content))
+    assert table.column_names == FIXED_COLUMNS + PARAM_COLUMNS
+    types = dict(zip(table.schema.names, table.schema.types, strict=True))
+    assert types["number"] == pa.int64() and types["value"] == pa.float64()
+    assert types["feasible"] == pa.bool_() and types["state"] == pa.string()
+    assert types["started_at"] == pa.timestamp("us", tz="UTC")
+    assert types["params.regularizer.lambda"] == pa.float64()
+    assert types["params.model.n_layers"] == pa.int64()
+    assert types["params.model.norm"] == pa.string()
+    assert types["params.model.skip"] == pa.bool_()
+    assert types["plateau_count"] == pa.int64() and types["entropy_collapse"] == pa.bool_()
+    assert table.to_pylist() == expected_trials(sid, seeded["ids"])
+
+
+def test_multi_objective_studies_get_one_column_per_objective(
+    client: TestClient, engine: Engine
+) -> None:
+    body = {
+        "name": "export-mo",
+        "budget": {"n_trials": 10},
+        "search_space": SPACE,
+        "objectives": [
+            {"metric": "final_val_loss"},
+            {"metric": "min_norm_entropy", "direction": "maximize"},
+        ],
+    }
+    sid = create(client, body)
+    seed(engine, sid, n_objectives=2)
+    table = pq.read_table(io.BytesIO(get(client, sid, format="parquet").content))
+    names = table.column_names
+    assert names[names.index("value") + 1 : names.index("value") + 3] == ["values.0", "values.1"]
+    assert table.column("values.0").to_pylist() == [d["value"] for d in TRIALS]
+    assert table.column("values.1").to_pylist() == [
+        None if d["value"] is None else -d["value"] for d in TRIALS
+    ]
+    header, rows = read_csv(get(client, sid).content)
+    assert [r["values.1"] for r in rows] == table.column("values.1").to_pylist()
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def test_metrics_table_csv_and_parquet(client: TestClient, seeded: dict[str, Any]) -> None:
+    sid = seeded["sid"]
+    expected = expected_metrics(seeded["ids"])
+    assert len(expected) == len(METRIC_TRIALS) * len(metric_rows(0))
+    r = get(client, sid, table="metrics")
+    assert r.headers["content-disposition"] == f'attachment; filename="study-{sid}-metrics.csv"'
+    header, rows = read_csv(r.content)
+    assert header == ["number", "trial_id", "name", "layer", "head", "step", "value"]
+    assert rows == expected
+    table = pq.read_table(io.BytesIO(get(client, sid, table="metrics", format="parquet").content))
+    assert table.schema.field("layer").type == pa.int64()
+    assert table.schema.field("value").type == pa.float64()
+    assert table.to_pylist() == expected
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_metrics_true_is_a_zip_of_both_tables(
+    client: TestClient, seeded: dict[str, Any], fmt: str
+) -> None:
+    sid = seeded["sid"]
+    r = get(client, sid, format=fmt, metrics="true")
+    assert r.headers["content-type"] == "application/zip"
+    assert r.headers["content-disposition"] == f'attachment; filename="study-{sid}-{fmt}.zip"'
+    with zipfile.ZipFile(io.BytesIO(r.content)) as zf:
+        assert zf.namelist() == [f"trials.{fmt}", f"metrics.{fmt}"]
+        assert zf.testzip() is None  # every member's CRC checks out
+        trials, metrics = zf.read(f"trials.{fmt}"), zf.read(f"metrics.{fmt}")
+    if fmt == "csv":
+        assert read_csv(trials)[1] == expected_trials(sid, seeded["ids"])
+        assert read_csv(metrics)[1] == expected_metrics(seeded["ids"])
+    else:
+        assert pq.read_table(io.BytesIO(trials)).to_pylist() == expected_trials(sid, seeded["ids"])
+        assert pq.read_table(io.BytesIO(metrics)).to_pylist() == expected_metrics(seeded["ids"])
+
+
+def test_empty_study_exports_headers_and_empty_tables(client: TestClient) -> None:
+    sid = create(client, {"name": "empty", "budget": {"n_trials": 1}, "search_space": SPACE})
+    header, rows = read_csv(get(client, sid).content)
+    assert header == FIXED_COLUMNS + PARAM_COLUMNS and rows == []
+    table = pq.read_table(io.BytesIO(get(client, sid, format="parquet").content))
+    assert table.num_rows == 0 and table.column_names == FIXED_COLUMNS + PARAM_COLUMNS
+    with zipfile.ZipFile(
+        io.BytesIO(get(client, sid, format="parquet", metrics="true").content)
+    ) as zf:
+        assert pq.read_table(io.BytesIO(zf.read("metrics.parquet"))).num_rows == 0
+
+
+# --- streaming -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "what"), [("csv", "metrics"), ("parquet", "metrics"),
+                                           ("csv", "both"), ("parquet", "trials")])  # fmt: skip
+def test_export_streams_batch_by_batch(
+    client: TestClient, seeded: dict[str, Any], module_db_url: str, fmt: Any, what: Any
+) -> None:
+    """Small batches: many chunks, and their concatenation is the same file."""
+    engine = make_engine(module_db_url)
+    try:
+        sessions = sessionmaker(engine, expire_on_commit=False)
+        chunks = list(export_stream(sessions, seeded["sid"], fmt, what, batch=7))
+    finally:
+        engine.dispose()
+    n_rows = len(expected_metrics(seeded["ids"])) if what != "trials" else len(TRIALS)
+    # Deflate holds small blocks back, so a zip of a small study comes in fewer chunks.
+    assert len(chunks) >= (2 if what == "both" else n_rows // 7) and all(chunks)
+    data = b"".join(chunks)
+    if what == "both":
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            data = zf.read("metrics.csv")
+    if fmt == "csv":
+        assert read_csv(data)[1] == expected_metrics(seeded["ids"])
+    else:
+        table = pq.read_table(io.BytesIO(data))
+        if what == "trials":
+            assert table.to_pylist() == expected_trials(seeded["sid"], seeded["ids"])
+        else:
+            assert pq.ParquetFile(io.BytesIO(data)).num_row_groups == -(-n_rows // 7)
+            assert table.to_pylist() == expected_metrics(seeded["ids"])
+
+
+# --- errors and auth -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"format": "xlsx"}, "format"),
+        ({"table": "studies"}, "table"),
+        ({"metrics": "maybe"}, "metrics"),
+        ({"metrics": "true", "table": "trials"}, "table"),
+    ],
+)
+def test_bad_parameters_are_422_naming_them(
+    client: TestClient, seeded: dict[str, Any], params: dict[str, str], field: str
+) -> None:
+    r = client.get(f"/v1/studies/{seeded['sid']}/export", params=params)
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["error"] == "validation_error" and [e["field"] for e in body["errors"]] == [field]
+
+
+def test_unknown_study_is_404_and_token_is_required(
+    client: TestClient, seeded: dict[str, Any]
+) -> None:
+    for params in ({}, {"format": "parquet"}, {"metrics": "true"}):
+        r = client.get("/v1/studies/987654/export", params=params)
+        assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
+        for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}):
+            r = client.get(f"/v1/studies/{seeded['sid']}/export", params=params, headers=headers)
+            assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+            assert r.headers["www-authenticate"] == "Bearer"
+
+
+# --- the CLI -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def live_api(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings, reconcile_loop=False), host="127.0.0.1", port=port,
+                       log_level="warning")
+    )  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    monkeypatch.setenv("QKSCOPE_API_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("QKSCOPE_API_TOKEN", TOKEN)
+    get_settings.cache_clear()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        get_settings.cache_clear()
+
+
+def test_cli_export_downloads_the_tables(
+    seeded: dict[str, Any], app_settings: Settings, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from service import cli
+
+    sid = seeded["sid"]
+    monkeypatch.chdir(tmp_path)
+    with live_api(app_settings, monkeypatch):
+        assert cli.main(["export", str(sid)]) == 0
+        assert read_csv((tmp_path / f"study-{sid}-trials.csv").read_bytes())[1] == expected_trials(
+            sid, seeded["ids"]
+        )
+        out = tmp_path / "all.zip"
+        assert (
+            cli.main(["export", str(sid), "--format", "parquet", "--metrics", "--out", str(out)])
+            == 0
+        )
+        with zipfile.ZipFile(out) as zf:
+            metrics = pq.read_table(io.BytesIO(zf.read("metrics.parquet"))).to_pylist()
+        assert metrics == expected_metrics(seeded["ids"])
+        assert cli.main(["export", str(sid), "--table", "metrics"]) == 0
+        assert read_csv((tmp_path / f"study-{sid}-metrics.csv").read_bytes())[1] == metrics
+        with pytest.raises(SystemExit):
+            cli.main(["export", "987654", "--out", str(tmp_path / "none.csv")])
+        assert not (tmp_path / "none.csv").exists()
