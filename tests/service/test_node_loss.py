@@ -138,6 +138,7 @@ def test_killed_worker_node_trial_is_retried_and_resumes(
     assert hit.final_val_loss == pytest.approx(alone.final_val_loss, rel=1e-5)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_trial_out_of_retries_fails_with_reason_and_study_goes_on(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:
@@ -190,6 +191,7 @@ def test_dropped_database_connections_are_retried(
         assert s.scalar(select(Study.status).where(Study.id == run.study_id)) == "COMPLETED"
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_trial_recorded_but_not_told_is_not_run_again(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:

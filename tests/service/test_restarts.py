@@ -138,6 +138,7 @@ def test_killed_runner_job_is_resubmitted(
     assert all(t.attempts >= 2 for t in trials if t.number in interrupted)
 
 
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_ray_cluster_restart_resubmits_running_studies(
     app: tuple[TestClient, Get], db_url: str, ray_head: LocalRayHead
 ) -> None:
@@ -239,6 +240,7 @@ def test_api_process_restart_mid_study(db_url: str, ray_head: LocalRayHead, tmp_
             api.proc.kill()
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_reconciler_gives_up_after_max_job_attempts(
     db_url: str, ray_head: LocalRayHead, tmp_path: Path
 ) -> None:
