@@ -303,6 +303,8 @@ class StudyRunner:
             value = intermediate_value(metric, points)
             if entry is None or value is None or not math.isfinite(value) or step in entry.reported:
                 continue
+            if step == 0:  # the untrained model (eval_at_init): nothing to judge a run by yet
+                continue
             entry.reported.add(step)
             with_retry(functools.partial(entry.trial.report, value, step), "report")
             if with_retry(entry.trial.should_prune, "should_prune"):

@@ -8,6 +8,7 @@ study for the reconciler to launch later, never a job without a row.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import UTC
 from typing import Any
 
@@ -40,6 +41,20 @@ def optuna_study_name(study_id: int) -> str:
     return f"qkscope-{study_id}"
 
 
+class _AskTellGridSampler(optuna.samplers.GridSampler):
+    """GridSampler for ask/tell. Optuna's calls `study.stop()` once the grid is used up,
+    which raises outside `optimize()`; here the study's budget ends the study instead."""
+
+    def after_trial(
+        self,
+        study: optuna.Study,
+        trial: optuna.trial.FrozenTrial,
+        state: optuna.trial.TrialState,
+        values: Sequence[float] | None,
+    ) -> None:
+        return None
+
+
 def make_sampler(spec: StudySpec) -> optuna.samplers.BaseSampler:
     """The spec's sampler. Constraints reach it through `Trial.set_constraint` (Optuna 5)."""
     s = spec.sampler
@@ -52,7 +67,7 @@ def make_sampler(spec: StudySpec) -> optuna.samplers.BaseSampler:
                 grid[path] = p.choices
             elif p.type in ("float", "int"):
                 grid[path] = p.grid
-        return optuna.samplers.GridSampler(grid, seed=s.seed)
+        return _AskTellGridSampler(grid, seed=s.seed)
     if s.kind == "tpe":
         return optuna.samplers.TPESampler(seed=s.seed, n_startup_trials=s.n_startup_trials)
     if s.kind == "cmaes":

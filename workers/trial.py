@@ -7,6 +7,12 @@ answer "stop": that is how pruning works); and writes a checkpoint that a
 rerun of the same config resumes from with the same result. A NaN/inf loss
 ends the trial as `diverged`, with the metrics measured so far.
 
+With `eval_at_init` the untrained model is measured too, once, as step 0 (the
+"at initialisation" curves of Dong et al. 2021): reported like any evaluation,
+kept in the checkpoint so a resumed trial never re-reports it, and summarised
+in the `init_*` fields only, so every other summary field means the same with
+or without it (an evaluation uses no randomness, so training is unchanged).
+
 Run one from a shell: `python -m workers.trial CONFIG.yaml`.
 """
 
@@ -85,6 +91,7 @@ class TrialConfig(BaseModel):
     batch_size: int = Field(32, ge=1, le=4096)
     steps: int = Field(300, ge=1, le=10_000_000)
     eval_every: int = Field(50, ge=1)
+    eval_at_init: bool = False  # also evaluate and report the untrained model, as step 0
     eval_batches: int = Field(4, ge=1, le=1000)
     probe_batch_size: int = Field(8, ge=1, le=256)
     seed: int = Field(0, ge=0, lt=2**31)
@@ -151,8 +158,13 @@ class TrialSummary(BaseModel):
     longest_plateau: int = 0
     trapped: bool = False
     diverged_at_step: int | None = None
-    eval_steps: list[int] = Field(default_factory=list)
+    eval_steps: list[int] = Field(default_factory=list)  # training evaluations (step >= 1)
     val_losses: list[float | None] = Field(default_factory=list)
+    # The untrained model (step 0), with `eval_at_init` only; same reductions as the final ones.
+    init_val_loss: float | None = None
+    init_min_norm_entropy: float | None = None
+    init_rank_ratio: float | None = None
+    init_qk_eig_var: float | None = None
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0
     device: str = "cpu"
@@ -251,15 +263,37 @@ def _val_loss(
     return total / len(batches)
 
 
+def _init_points(
+    model: GPT,
+    val_batches: list[tuple[Tensor, Tensor]],
+    ctx: Any,
+    dev: torch.device,
+    reg: RegularizerConfig,
+    probe_x: Tensor,
+) -> list[MetricPoint]:
+    """The step-0 evaluation: validation loss, penalty and probe metrics; no train loss."""
+    points = [MetricPoint("val_loss", _val_loss(model, val_batches, ctx, dev))]
+    if reg.kind != "none" and reg.lam != 0.0:
+        with torch.no_grad(), ctx:
+            points.append(MetricPoint("reg_penalty", float(_penalty(model, reg))))
+    return points + probe_metrics(model, probe_x)
+
+
 @dataclass
 class _History:
-    """The per-evaluation numbers the summary is made from (kept in the checkpoint)."""
+    """The per-evaluation numbers the summary is made from (kept in the checkpoint).
+
+    `steps` .. `last_points` cover training evaluations only; `init_points` is the
+    step-0 evaluation (None when `eval_at_init` is off or it has not run yet; a plain
+    class default, so checkpoints written before the field existed still load).
+    """
 
     steps: list[int]
     val_losses: list[float]
     train_losses: list[float]
     min_norm_entropies: list[float]
     last_points: list[MetricPoint]
+    init_points: list[MetricPoint] | None = None
 
     @classmethod
     def empty(cls) -> _History:
@@ -278,6 +312,38 @@ def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True)
+class _PointStats:
+    """The summary's reductions of one evaluation's metric points."""
+
+    val_loss: float | None
+    min_norm_entropy: float | None  # smallest over layers and heads
+    rank_ratio: float | None  # last layer
+    qk_eig_var: float | None  # mean over layers and heads
+    qk_eig_mean: float | None
+
+
+def _point_stats(points: list[MetricPoint]) -> _PointStats:
+    by_name: dict[str, list[MetricPoint]] = {}
+    for p in points:
+        by_name.setdefault(p.name, []).append(p)
+
+    def mean_of(name: str) -> float | None:
+        vals = [p.value for p in by_name.get(name, [])]
+        return _finite(sum(vals) / len(vals)) if vals else None
+
+    val = by_name.get("val_loss", [])
+    norm_ent = [p.value for p in by_name.get("attn_entropy_norm", [])]
+    ranks = sorted(by_name.get("rank_ratio", []), key=lambda p: p.layer or 0)
+    return _PointStats(
+        val_loss=_finite(val[0].value) if val else None,
+        min_norm_entropy=_finite(min(norm_ent)) if norm_ent else None,
+        rank_ratio=_finite(ranks[-1].value) if ranks else None,
+        qk_eig_var=mean_of("qk_eig_var"),
+        qk_eig_mean=mean_of("qk_eig_mean"),
+    )
+
+
 def _summarize(
     config: TrialConfig,
     task: Task,
@@ -294,26 +360,22 @@ def _summarize(
     s.device = str(device)
     s.eval_steps = list(hist.steps)
     s.val_losses = [_finite(v) for v in hist.val_losses]
+    if hist.init_points is not None:
+        init = _point_stats(hist.init_points)
+        s.init_val_loss, s.init_min_norm_entropy = init.val_loss, init.min_norm_entropy
+        s.init_rank_ratio, s.init_qk_eig_var = init.rank_ratio, init.qk_eig_var
     if not hist.steps:
         return s
     finite_vals = [v for v in hist.val_losses if math.isfinite(v)]
     s.final_train_loss = _finite(hist.train_losses[-1])
     s.final_val_loss = _finite(hist.val_losses[-1])
     s.best_val_loss = min(finite_vals) if finite_vals else None
-    by_name: dict[str, list[MetricPoint]] = {}
-    for p in hist.last_points:
-        by_name.setdefault(p.name, []).append(p)
-    norm_ent = [p.value for p in by_name.get("attn_entropy_norm", [])]
-    if norm_ent:
-        s.min_norm_entropy = _finite(min(norm_ent))
+    last = _point_stats(hist.last_points)
+    s.min_norm_entropy = last.min_norm_entropy
+    if any(p.name == "attn_entropy_norm" for p in hist.last_points):
         s.min_norm_entropy_ever = _finite(min(hist.min_norm_entropies))
-    ranks = sorted(by_name.get("rank_ratio", []), key=lambda p: p.layer or 0)
-    if ranks:
-        s.final_rank_ratio = _finite(ranks[-1].value)
-    for name, attr in (("qk_eig_var", "qk_eig_var"), ("qk_eig_mean", "qk_eig_mean")):
-        vals = [p.value for p in by_name.get(name, [])]
-        if vals:
-            setattr(s, attr, _finite(sum(vals) / len(vals)))
+    s.final_rank_ratio = last.rank_ratio
+    s.qk_eig_var, s.qk_eig_mean = last.qk_eig_var, last.qk_eig_mean
     s.entropy_collapse = (
         s.min_norm_entropy is not None and s.min_norm_entropy < config.entropy_collapse_threshold
     )
@@ -344,7 +406,11 @@ def run_trial(
     *,
     progress: Callable[[int], None] | None = None,
 ) -> TrialSummary:
-    """Train, probe every `eval_every` steps, report, checkpoint; return the summary."""
+    """Train, probe every `eval_every` steps, report, checkpoint; return the summary.
+
+    With `config.eval_at_init`, the untrained model is evaluated and reported first, as
+    step 0 (no train loss or gradient norm exists yet); never again after a resume.
+    """
     reporter = reporter or NullReporter()
     device = resolve_device(config)
     ctx = _autocast(config, device)
@@ -371,12 +437,42 @@ def run_trial(
         torch.set_rng_state(state["torch_rng"])
         hist, start_step, n_evals = state["history"], state["step"], state["n_evals"]
 
+    def save_checkpoint() -> None:
+        assert ckpt is not None
+        _save_checkpoint(
+            ckpt,
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "data_gen": data_gen.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "history": hist,
+                "step": step,
+                "n_evals": n_evals,
+            },
+        )
+
     model.train()
     status: TrialStatus = "completed"
     diverged_at: int | None = None
     step = start_step
     t0 = time.perf_counter()
-    while step < config.steps:
+    if config.eval_at_init and start_step == 0 and hist.init_points is None:
+        # The untrained model, as step 0. Evaluation draws no randomness (eval mode, fixed
+        # batches), so the training that follows is exactly the run without it.
+        points = _init_points(model, val_batches, ctx, device, reg, probe_x)
+        points.insert(1, MetricPoint("lr", float(scheduler.get_last_lr()[0])))
+        hist.init_points = points
+        stop = reporter.report(0, points)
+        if not math.isfinite(points[0].value):
+            status, diverged_at = "diverged", 0
+        else:
+            if ckpt is not None:  # a resume from here must not report step 0 again
+                save_checkpoint()
+            if stop:
+                status = "pruned"
+    while status == "completed" and step < config.steps:
         x, y = task.train_batch(config.batch_size, data_gen)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with ctx:
@@ -423,19 +519,7 @@ def run_trial(
             status, diverged_at = "diverged", step
             break
         if ckpt is not None and n_evals % config.checkpoint.every_evals == 0:
-            _save_checkpoint(
-                ckpt,
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "data_gen": data_gen.get_state(),
-                    "torch_rng": torch.get_rng_state(),
-                    "history": hist,
-                    "step": step,
-                    "n_evals": n_evals,
-                },
-            )
+            save_checkpoint()
         if stop:
             status = "pruned"
             break

@@ -230,3 +230,19 @@ def test_trial_recorded_but_not_told_is_not_run_again(
     assert not (tmp_path / "c").exists(), "no trial task ran"
     storage.engine.dispose()
     engine.dispose()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_grid_study_runs_to_its_end(cluster: Cluster, db_url: str, tmp_path: Path) -> None:
+    """Optuna's GridSampler stops the study when the grid is used up, which raises outside
+    `optimize()`; qkscope's runner (ask/tell) must finish the study normally instead."""
+    spec = fault_spec(n_trials=3, steps=40)
+    spec["sampler"] = {"kind": "grid"}
+    spec["search_space"] = {
+        "model.qk_init_std": {"type": "float", "low": 0.02, "high": 0.5, "grid": [0.02, 0.1, 0.5]}
+    }
+    run = StudyThread(db_url, tmp_path, spec)
+    run.join()
+    trials = check_finished_study(db_url, run.study_id)
+    assert sorted(t.params["model.qk_init_std"] for t in trials) == [0.02, 0.1, 0.5]
+    assert all(t.state == "COMPLETE" for t in trials)

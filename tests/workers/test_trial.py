@@ -15,9 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
-from workers.trial import MetricPoint, TrialConfig, TrialSummary, run_trial
+from workers.tasks import build_task
+from workers.trial import (
+    MetricPoint,
+    TrialConfig,
+    TrialSummary,
+    build_model,
+    probe_metrics,
+    run_trial,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 WIKITEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2"
@@ -354,3 +363,113 @@ def test_lm_trial_on_wikitext2() -> None:
     # a fresh model is close to uniform over the 2001-token vocabulary (log 2001 = 7.6 nats)
     assert s.val_losses[0] is not None and 5.0 < s.val_losses[0] < 9.0
     assert s.trapped is False  # no known optimum, no study reference
+
+
+# (j) eval_at_init ------------------------------------------------------------------------------
+
+INIT_KEYS_ABSENT = {("train_loss", None, None), ("grad_norm", None, None)}
+INIT_FIELDS = {"init_val_loss", "init_min_norm_entropy", "init_rank_ratio", "init_qk_eig_var"}
+
+
+def test_eval_at_init_reports_step_zero_and_leaves_training_unchanged() -> None:
+    over = {"model": {"qk_init_std": 0.3}, "regularizer": {"kind": "locater", "lambda": 0.1}}
+    plain, init = Recorder(), Recorder()
+    s_plain = run_trial(tiny(**over), plain)
+    s_init = run_trial(tiny(**over, eval_at_init=True), init)
+
+    assert init.steps == [0, 5, 10, 15, 20]
+    assert plain.steps == [5, 10, 15, 20]
+    # step 0 measures the untrained model: everything but the training-only scalars
+    first = init.at(0)
+    assert INIT_KEYS_ABSENT.isdisjoint(first)
+    assert set(first) == set(init.at(5)) - INIT_KEYS_ABSENT
+    assert all(math.isfinite(v) for v in first.values())
+    assert first[("lr", None, None)] > 0.0
+    # evaluating draws no randomness: the training run is bit-identical
+    assert init.stream(after=0) == plain.stream()
+
+    # every pre-existing summary field means what it meant: same values, steps >= 1 only
+    d_plain, d_init = _summary_sans_timing(s_plain), _summary_sans_timing(s_init)
+    assert {k: v for k, v in d_init.items() if k not in INIT_FIELDS} == {
+        k: v for k, v in d_plain.items() if k not in INIT_FIELDS
+    }
+    assert s_init.eval_steps == [5, 10, 15, 20]
+    assert all(d_plain[k] is None for k in INIT_FIELDS)
+    # the init_* fields are the final ones' reductions, applied to the step-0 report
+    assert s_init.init_val_loss == first[("val_loss", None, None)]
+    assert s_init.init_rank_ratio == first[("rank_ratio", 2, None)]
+    assert s_init.init_min_norm_entropy == min(
+        v for (name, _, _), v in first.items() if name == "attn_entropy_norm"
+    )
+    var = [v for (name, _, _), v in first.items() if name == "qk_eig_var"]
+    assert s_init.init_qk_eig_var == pytest.approx(sum(var) / len(var), rel=1e-12)
+
+
+def test_eval_at_init_measures_the_untrained_model() -> None:
+    cfg = tiny(model={"qk_init_std": 0.5}, eval_at_init=True, steps=5)
+    rec = Recorder()
+    run_trial(cfg, rec)
+    # the same probe, taken directly from a freshly built model with the trial's seed
+    task = build_task(cfg.task, cfg.seed)
+    model = build_model(cfg, task)
+    probe_x, _ = task.train_batch(
+        cfg.probe_batch_size, torch.Generator().manual_seed(cfg.seed + 7919)
+    )
+    expected = {(p.name, p.layer, p.head): p.value for p in probe_metrics(model, probe_x)}
+    got = rec.at(0)
+    assert {k: got[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize(
+    ("crash_step", "last_ckpt"),
+    [(3, 0), (12, 10)],
+    ids=["crash-before-first-training-eval", "crash-after-eval-10"],
+)
+def test_eval_at_init_is_not_reported_again_after_resume(
+    tmp_path: Path, crash_step: int, last_ckpt: int
+) -> None:
+    over = {"model": {"qk_init_std": 0.2}, "eval_at_init": True}
+    rec_a = Recorder()
+    s_a = run_trial(tiny(**over, checkpoint={"dir": str(tmp_path / "a")}), rec_a)
+    assert rec_a.steps == [0, 5, 10, 15, 20]
+
+    cfg_b = tiny(**over, checkpoint={"dir": str(tmp_path / "b")})
+
+    def boom(step: int) -> None:
+        if step == crash_step:
+            raise _Crash(f"simulated crash at step {step}")
+
+    first = Recorder()
+    with pytest.raises(_Crash):
+        run_trial(cfg_b, first, progress=boom)
+    assert first.steps[0] == 0  # step 0 was reported (and checkpointed) before the crash
+
+    rec_b = Recorder()
+    s_b = run_trial(cfg_b, rec_b)
+    assert 0 not in rec_b.steps
+    assert rec_b.steps == [s for s in rec_a.steps if s > last_ckpt]
+    assert rec_b.stream() == rec_a.stream(after=last_ckpt)
+    # the resumed summary still carries the step-0 numbers, from the checkpoint
+    assert _summary_sans_timing(s_b) == _summary_sans_timing(s_a)
+    assert s_b.init_rank_ratio is not None
+
+    rerun = Recorder()
+    assert _summary_sans_timing(run_trial(cfg_b, rerun)) == _summary_sans_timing(s_a)
+    assert rerun.reports == []
+
+
+def test_eval_at_init_can_be_pruned_before_training() -> None:
+    rec = Recorder(stop_at_report=1)
+    s = run_trial(tiny(eval_at_init=True, steps=40), rec)
+    assert rec.steps == [0]
+    assert s.status == "pruned" and s.steps_done == 0
+    assert s.eval_steps == [] and s.final_val_loss is None
+    assert s.init_val_loss is not None and s.init_rank_ratio is not None
+
+
+def test_eval_at_init_off_by_default() -> None:
+    assert TrialConfig().eval_at_init is False
+    rec = Recorder()
+    s = run_trial(tiny(steps=5), rec)
+    assert rec.steps == [5]
+    assert all(getattr(s, f) is None for f in INIT_FIELDS)
