@@ -146,14 +146,25 @@ def runner_env(settings: Settings) -> dict[str, str]:
 
 
 def launch_study(
-    sessions: sessionmaker[Session], launcher: JobLauncher, settings: Settings, study_id: int
-) -> str:
-    """Submit the study's Ray job (a new attempt id each time) and record it."""
+    sessions: sessionmaker[Session],
+    launcher: JobLauncher,
+    settings: Settings,
+    study_id: int,
+    seen_attempts: int | None = None,
+) -> str | None:
+    """Submit the study's Ray job (a new attempt id each time) and record it.
+
+    With `seen_attempts`, the attempt is claimed only if nobody launched the study since
+    the caller looked (another reconciler, an overlapping API process): returns None then.
+    """
     with session_scope(sessions) as s:
-        row = s.get(Study, study_id)
-        assert row is not None
-        row.job_attempts += 1
-        attempt = row.job_attempts
+        claim = update(Study).where(Study.id == study_id, Study.status.in_(LIVE))
+        if seen_attempts is not None:
+            claim = claim.where(Study.job_attempts == seen_attempts)
+        claimed = s.execute(claim.values(job_attempts=Study.job_attempts + 1))
+        if claimed.rowcount != 1:  # type: ignore[attr-defined]
+            return None
+        attempt = int(s.scalar(select(Study.job_attempts).where(Study.id == study_id)) or 0)
     try:
         job_id = launcher.submit_study(study_id, attempt, runner_env(settings))
     except Exception:  # not submitted: it must not count against max_job_attempts
@@ -213,13 +224,20 @@ def reconcile(
                 Study.id, Study.status, Study.ray_job_id, Study.created_at, Study.job_attempts
             ).where(Study.status.in_(LIVE))
         ).all()
+    if not rows:
+        return 0
+    try:  # one look at Ray's job list; if Ray can't answer, nothing is judged dead
+        jobs = {j.submission_id: str(j.status.value) for j in launcher.list_jobs()}
+    except Exception as e:
+        log.warning("reconcile: Ray's job list is unavailable (%s); next round", e)
+        return 0
     submitted = 0
     now = utcnow()
     for study_id, status, job_id, created_at, attempts in rows:
         created = created_at if created_at.tzinfo else created_at.replace(tzinfo=UTC)
         if job_id is None and (now - created).total_seconds() < grace_s:
             continue  # the POST that created it is still submitting its job
-        job_status = launcher.status(job_id) if job_id else None
+        job_status = jobs.get(job_id) if job_id else None
         alive = job_status in ("PENDING", "RUNNING")
         if alive:
             continue
@@ -230,8 +248,8 @@ def reconcile(
             continue
         log.info("study %s: job %s is %s; submitting", study_id, job_id, job_status)
         try:
-            launch_study(sessions, launcher, settings, study_id)
-            submitted += 1
+            if launch_study(sessions, launcher, settings, study_id, seen_attempts=attempts):
+                submitted += 1
         except Exception as e:  # Ray unreachable: try again next round
             log.warning("study %s: submit failed: %s", study_id, e)
     return submitted

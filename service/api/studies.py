@@ -118,7 +118,7 @@ async def submit_study(
         return StudyOut.of(row)
     if launcher is not None:
         try:
-            launch_study(sessions, launcher, settings, row.id)
+            launch_study(sessions, launcher, settings, row.id, seen_attempts=0)
         except Exception as e:  # the reconciler retries PENDING studies
             log.warning("study %d stays PENDING: submit failed: %s", row.id, e)
     return StudyOut.of(_get_study(session, row.id))

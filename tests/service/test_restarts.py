@@ -242,10 +242,11 @@ def test_api_process_restart_mid_study(db_url: str, ray_head: LocalRayHead, tmp_
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_reconciler_gives_up_after_max_job_attempts(
-    db_url: str, ray_head: LocalRayHead, tmp_path: Path
+    db_url: str, ray_head: LocalRayHead, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A study whose runner job keeps dying is FAILED with the reason, not resubmitted
-    forever (its job id is one Ray does not know: the cluster lost it)."""
+    forever (its job id is one Ray does not know: the cluster lost it); and an unreachable
+    job server makes no study look dead."""
     migrate.upgrade(db_url)
     settings = settings_for(db_url, ray_head, tmp_path, max_job_attempts=3)
     engine = make_engine(db_url)
@@ -261,4 +262,20 @@ def test_reconciler_gives_up_after_max_job_attempts(
         row = s.get(Study, doomed.id)
         assert row is not None and row.status == StudyStatus.FAILED
         assert row.error and "died 3 times" in row.error and "gone" in row.error
+
+    # When Ray's job server can't answer, no job is judged dead and nothing is resubmitted.
+    with sessions.begin() as s:
+        live = Study(
+            name="live", status=StudyStatus.RUNNING, spec=fault_spec(1), n_trials=1,
+            optuna_study_name="y", ray_job_id="qkscope-study-0-a1-unknown", job_attempts=1,
+        )  # fmt: skip
+        s.add(live)
+    unreachable = JobLauncher(ray_head.dashboard_url)
+    unreachable._client._address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert reconcile(sessions, unreachable, settings, grace_s=0) == 0
+    assert "job list is unavailable" in caplog.text  # judged nothing, submitted nothing
+    with sessions() as s:
+        row = s.get(Study, live.id)
+        assert row is not None
+        assert (row.status, row.job_attempts) == (StudyStatus.RUNNING, 1)
     engine.dispose()
