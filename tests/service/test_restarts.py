@@ -181,7 +181,8 @@ class ApiProcess:
     def stop(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
-        assert self.proc.wait(timeout=30) == 0
+        # A graceful stop within 30 s; uvicorn re-raises the signal after shutting down.
+        assert self.proc.wait(timeout=30) in (0, -signal.SIGTERM)
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
