@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,12 @@ from typing import Any
 __all__ = ["JobLauncher", "LocalRayHead", "job_id_for", "ray_token"]
 
 log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def job_id_for(study_id: int, attempt: int) -> str:
@@ -80,6 +87,8 @@ class LocalRayHead:
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard_port}",
             "--include-dashboard=true",
+            # Not Ray's fixed default (52365): two clusters on one machine must not collide.
+            f"--dashboard-agent-listen-port={_free_port()}",
             "--disable-usage-stats",
         ]
         if self.num_cpus is not None:

@@ -213,7 +213,8 @@ def test_api_process_restart_mid_study(db_url: str, ray_head: LocalRayHead, tmp_
 
     api.start()
     try:
-        r = http.post("/v1/studies", json=fault_spec(n_trials=6))
+        # Long enough that it is still running after the first restart.
+        r = http.post("/v1/studies", json=fault_spec(n_trials=10, steps=400))
         assert r.status_code == 201, r.text
         sid, job_id = r.json()["id"], r.json()["ray_job_id"]
         wait_until("a trial running", lambda: progress(get, sid) or finished(get, sid))
