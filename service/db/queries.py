@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, case, func, select
+from sqlalchemy import ColumnElement, Row, and_, case, func, select
 from sqlalchemy.orm import Session
 
 from service.db.models import NO_INDEX, Metric, Study, Trial, TrialState
@@ -102,20 +102,31 @@ def list_trials(
     limit: int = 50,
     offset: int = 0,
 ) -> tuple[list[Trial], int]:
-    """A page of a study's trials and the total that match."""
+    """A page of a study's trials and the total that match.
+
+    Two narrow steps instead of count + wide sort: first the page's ids with the total as a
+    window count (filter, sort and count touch only the ids and sort keys), then the 50
+    full rows by primary key. A page past the end (no ids, offset > 0) counts separately.
+    """
     where = [Trial.study_id == study_id]
     if states:
         where.append(Trial.state.in_(states))
     where += [f.clause() for f in filters or []]
-    total = s.scalar(select(func.count()).select_from(Trial).where(and_(*where))) or 0
-    rows = s.scalars(
-        select(Trial)
+    page = s.execute(
+        select(Trial.id, func.count().over())
         .where(and_(*where))
         .order_by(_sort_column(sort), Trial.number)
         .limit(limit)
         .offset(offset)
     ).all()
-    return list(rows), int(total)
+    if not page:
+        if offset == 0:
+            return [], 0
+        total = s.scalar(select(func.count()).select_from(Trial).where(and_(*where))) or 0
+        return [], int(total)
+    ids = [row[0] for row in page]
+    by_id = {t.id: t for t in s.scalars(select(Trial).where(Trial.id.in_(ids)))}
+    return [by_id[i] for i in ids], int(page[0][1])
 
 
 def metric_series(
@@ -128,9 +139,16 @@ def metric_series(
     step_min: int | None = None,
     step_max: int | None = None,
     limit: int = 100_000,
-) -> list[Metric]:
-    """A trial's metric rows, ordered for plotting (name, layer, head, step)."""
-    q = select(Metric).where(Metric.trial_id == trial_id)
+) -> list[Row[str, int, int, int, float | None]]:
+    """A trial's metric rows, ordered for plotting (name, layer, head, step).
+
+    Plain rows with the attributes `name`, `layer`, `head`, `step`, `value`, not ORM
+    objects: a series is thousands of rows, and building (and garbage-collecting) an
+    identity-mapped entity for each roughly doubled the time of a 1,000-row read.
+    """
+    q = select(Metric.name, Metric.layer, Metric.head, Metric.step, Metric.value).where(
+        Metric.trial_id == trial_id
+    )
     if names:
         q = q.where(Metric.name.in_(names))
     if layer is not None:
@@ -142,7 +160,7 @@ def metric_series(
     if step_max is not None:
         q = q.where(Metric.step <= step_max)
     q = q.order_by(Metric.name, Metric.layer, Metric.head, Metric.step).limit(limit)
-    return list(s.scalars(q).all())
+    return list(s.execute(q).all())
 
 
 def index_or_none(v: int) -> int | None:
@@ -156,25 +174,34 @@ def _count_true(col: Any) -> Any:
 
 def study_summary(s: Session, study: Study) -> dict[str, Any]:
     """Counts by state, collapse rates, best value, progress and a naive ETA."""
-    counts = dict(
-        s.execute(
-            select(Trial.state, func.count())
-            .where(Trial.study_id == study.id)
-            .group_by(Trial.state)
-        ).all()
-    )
-    by_state = {st.value: int(counts.get(st.value, 0)) for st in TrialState}
-    finished_states = [TrialState.COMPLETE, TrialState.PRUNED, TrialState.DIVERGED]
-    agg = s.execute(
+    # One pass over the study's trials: per state, the count and the sums the rates and
+    # the ETA need; finished states are added up here rather than in a second scan.
+    per_state = s.execute(
         select(
+            Trial.state,
             func.count(),
             _count_true(Trial.entropy_collapse),
             _count_true(Trial.rank_collapse),
             _count_true(Trial.trapped),
-            func.avg(Trial.duration_s),
-        ).where(Trial.study_id == study.id, Trial.state.in_(finished_states))
-    ).one()
-    n_measured = int(agg[0] or 0)
+            func.sum(Trial.duration_s),
+            func.count(Trial.duration_s),
+        )
+        .where(Trial.study_id == study.id)
+        .group_by(Trial.state)
+    ).all()
+    counts = {row[0]: int(row[1]) for row in per_state}
+    by_state = {st.value: int(counts.get(st.value, 0)) for st in TrialState}
+    finished_states = {TrialState.COMPLETE, TrialState.PRUNED, TrialState.DIVERGED}
+    finished = [row for row in per_state if row[0] in finished_states]
+    n_measured = sum(int(row[1]) for row in finished)
+    n_timed = sum(int(row[6] or 0) for row in finished)
+    agg = (
+        n_measured,
+        sum(int(row[2] or 0) for row in finished),
+        sum(int(row[3] or 0) for row in finished),
+        sum(int(row[4] or 0) for row in finished),
+        sum(float(row[5] or 0.0) for row in finished) / n_timed if n_timed else None,
+    )
     directions = [o["direction"] for o in study.spec.get("objectives", [{}])]
     best_q = select(Trial).where(
         Trial.study_id == study.id,
