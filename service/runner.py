@@ -28,7 +28,7 @@ import optuna
 import ray
 from optuna.trial import TrialState as OptunaState
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, event, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
@@ -39,6 +39,7 @@ from service.db.session import (
     make_sessionmaker,
     normalize_url,
     session_scope,
+    sqlite_pragmas,
     with_retry,
 )
 from service.spec import StudySpec, apply_params
@@ -106,6 +107,9 @@ class StudyRunner:
         url = normalize_url(settings.resolved_database_url())
         pre_ping = {} if url.startswith("sqlite") else {"pool_pre_ping": True}
         self.storage = optuna.storages.RDBStorage(url, engine_kwargs=pre_ping)
+        if url.startswith("sqlite"):  # Optuna's engine gets our WAL and busy timeout too
+            event.listen(self.storage.engine, "connect", sqlite_pragmas)
+            self.storage.engine.dispose()  # reconnect with them
         self.study = optuna.create_study(
             storage=self.storage,
             study_name=optuna_study_name(study_id),

@@ -12,7 +12,14 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-__all__ = ["make_engine", "make_sessionmaker", "normalize_url", "session_scope", "with_retry"]
+__all__ = [
+    "make_engine",
+    "make_sessionmaker",
+    "normalize_url",
+    "session_scope",
+    "sqlite_pragmas",
+    "with_retry",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -25,7 +32,8 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+def sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    """WAL, busy timeout, foreign keys: for every SQLite connection, ours and Optuna's."""
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")  # readers never block the runner's writes
     cur.execute("PRAGMA busy_timeout=30000")
@@ -38,7 +46,7 @@ def make_engine(url: str) -> Engine:
     """An engine for SQLite (WAL, busy timeout, foreign keys) or PostgreSQL (pre-ping)."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "connect", sqlite_pragmas)
         return engine
     return create_engine(normalize_url(url), pool_pre_ping=True, pool_size=10, max_overflow=20)
 
