@@ -26,7 +26,7 @@ from typing import Any, Literal
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.models import NO_INDEX, Metric, Study, Trial
+from service.db.models import NO_INDEX, SUMMARY_COLUMNS, Metric, Study, Trial
 from service.db.session import session_scope
 from service.plots import collapse_class
 from service.spec import SUMMARY_METRICS
@@ -73,16 +73,7 @@ _SUMMARY = [(m, "int64" if m in _INT_SUMMARY else "float64") for m in SUMMARY_ME
 ]
 _TRIAL_ATTRS = {"value", "feasible", "seed", "attempts", "node", "last_step", "metric_rows"}
 _TRIAL_ATTRS |= {"started_at", "finished_at", "duration_s", "error", "state", "number"}
-_SUMMARY_COLUMNS_ON_TRIAL = {
-    "final_val_loss",
-    "min_norm_entropy",
-    "final_rank_ratio",
-    "qk_eig_var",
-    "plateau_steps",
-    "entropy_collapse",
-    "rank_collapse",
-    "trapped",
-}
+_SUMMARY_COLUMNS_ON_TRIAL = set(SUMMARY_COLUMNS)
 METRIC_COLUMNS = [
     ("number", "int64"),
     ("trial_id", "int64"),

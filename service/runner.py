@@ -33,7 +33,16 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
 from service.db.ingest import insert_metrics
-from service.db.models import NO_INDEX, Metric, Study, StudyStatus, Trial, TrialState, utcnow
+from service.db.models import (
+    NO_INDEX,
+    SUMMARY_COLUMNS,
+    Metric,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialState,
+    utcnow,
+)
 from service.db.session import (
     make_engine,
     make_sessionmaker,
@@ -410,16 +419,7 @@ class StudyRunner:
             row.values = [v if math.isfinite(v) else None for v in values]
             row.value = row.values[0]
             row.feasible = all(c <= 0 for c in constraints)
-            for col in (
-                "final_val_loss",
-                "min_norm_entropy",
-                "final_rank_ratio",
-                "qk_eig_var",
-                "plateau_steps",
-                "entropy_collapse",
-                "rank_collapse",
-                "trapped",
-            ):
+            for col in SUMMARY_COLUMNS:
                 setattr(row, col, summary.get(col))
             row.last_step = int(summary.get("steps_done", row.last_step))
             row.finished_at = utcnow()

@@ -28,6 +28,18 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 __all__ = ["Base", "Metric", "Study", "StudyStatus", "Trial", "TrialState", "utcnow"]
 
 NO_INDEX = -1  # layer/head value for metrics that have none (keeps the primary key total)
+# Summary numbers the runner copies from a trial's summary into Trial columns, so the
+# results API can filter and sort on them.
+SUMMARY_COLUMNS = (
+    "final_val_loss",
+    "min_norm_entropy",
+    "final_rank_ratio",
+    "qk_eig_var",
+    "plateau_steps",
+    "entropy_collapse",
+    "rank_collapse",
+    "trapped",
+)
 
 
 def utcnow() -> datetime:
