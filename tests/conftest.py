@@ -8,6 +8,7 @@ import secrets
 import socket
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -62,28 +63,30 @@ def _drop_pg_db(admin_url: str, name: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@contextmanager
+def _throwaway_pg_db(admin_url: str) -> Iterator[str]:
+    name, url = _create_pg_db(admin_url)
+    try:
+        yield url
+    finally:
+        _drop_pg_db(admin_url, name)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh, empty database of each kind (no schema yet)."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'qkscope.db'}"
         return
-    admin = request.getfixturevalue("pg_server")
-    name, url = _create_pg_db(admin)
-    try:
+    with _throwaway_pg_db(request.getfixturevalue("pg_server")) as url:
         yield url
-    finally:
-        _drop_pg_db(admin, name)
 
 
 @pytest.fixture
 def pg_db_url(pg_server: str) -> Iterator[str]:
     """A fresh, empty PostgreSQL database (for tests about PostgreSQL behaviour only)."""
-    name, url = _create_pg_db(pg_server)
-    try:
+    with _throwaway_pg_db(pg_server) as url:
         yield url
-    finally:
-        _drop_pg_db(pg_server, name)
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -94,12 +97,8 @@ def module_db_url(
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'qkscope.db'}"
         return
-    admin = request.getfixturevalue("pg_server")
-    name, url = _create_pg_db(admin)
-    try:
+    with _throwaway_pg_db(request.getfixturevalue("pg_server")) as url:
         yield url
-    finally:
-        _drop_pg_db(admin, name)
 
 
 def free_port() -> int:

@@ -4,13 +4,9 @@ csv module, pyarrow.csv or pyarrow.parquet and compared with what was inserted."
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
-import threading
-import time
 import zipfile
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -23,15 +19,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.app import create_app
-from service.config import Settings, get_settings
+from service.config import Settings
 from service.db.models import Metric, Trial
 from service.db.session import make_engine
 from service.export import export_stream
-from tests.conftest import free_port
+from tests.service.conftest import create_via_api, live_api
 
-TOKEN = "export-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 T0 = datetime(2026, 3, 4, 5, 6, 7, 123456, tzinfo=UTC)
 
 SPACE: dict[str, Any] = {
@@ -102,32 +95,6 @@ def metric_rows(number: int) -> list[tuple[str, int | None, int | None, int, flo
 # --- fixtures -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def app_settings(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    home = tmp_path_factory.mktemp("home")
-    return Settings(database_url=module_db_url, ray_address="", api_tokens=TOKEN, home=home)
-
-
-@pytest.fixture(scope="module")
-def client(app_settings: Settings) -> Iterator[TestClient]:
-    app = create_app(app_settings, reconcile_loop=False)
-    with TestClient(app, raise_server_exceptions=False, headers=AUTH) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def engine(client: TestClient, module_db_url: str) -> Iterator[Engine]:
-    eng = make_engine(module_db_url)
-    yield eng
-    eng.dispose()
-
-
-def create(client: TestClient, body: dict[str, Any]) -> int:
-    r = client.post("/v1/studies", json=body)
-    assert r.status_code == 201, r.text
-    return int(r.json()["id"])
-
-
 def seed(engine: Engine, sid: int, n_objectives: int = 1) -> dict[int, int]:
     with Session(engine) as s:
         for d in TRIALS:
@@ -183,7 +150,9 @@ def seed(engine: Engine, sid: int, n_objectives: int = 1) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def seeded(client: TestClient, engine: Engine) -> dict[str, Any]:
-    sid = create(client, {"name": "export", "budget": {"n_trials": 10}, "search_space": SPACE})
+    sid = create_via_api(
+        client, {"name": "export", "budget": {"n_trials": 10}, "search_space": SPACE}
+    )
     return {"sid": sid, "ids": seed(engine, sid)}
 
 
@@ -333,7 +302,7 @@ def test_multi_objective_studies_get_one_column_per_objective(
             {"metric": "min_norm_entropy", "direction": "maximize"},
         ],
     }
-    sid = create(client, body)
+    sid = create_via_api(client, body)
     seed(engine, sid, n_objectives=2)
     table = pq.read_table(io.BytesIO(get(client, sid, format="parquet").content))
     names = table.column_names
@@ -385,7 +354,9 @@ def test_metrics_true_is_a_zip_of_both_tables(
 
 
 def test_empty_study_exports_headers_and_empty_tables(client: TestClient) -> None:
-    sid = create(client, {"name": "empty", "budget": {"n_trials": 1}, "search_space": SPACE})
+    sid = create_via_api(
+        client, {"name": "empty", "budget": {"n_trials": 1}, "search_space": SPACE}
+    )
     header, rows = read_csv(get(client, sid).content)
     assert header == FIXED_COLUMNS + PARAM_COLUMNS and rows == []
     table = pq.read_table(io.BytesIO(get(client, sid, format="parquet").content))
@@ -463,32 +434,6 @@ def test_unknown_study_is_404_and_token_is_required(
 
 
 # --- the CLI -------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def live_api(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, reconcile_loop=False), host="127.0.0.1", port=port,
-                       log_level="warning")
-    )  # fmt: skip
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    monkeypatch.setenv("QKSCOPE_API_URL", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("QKSCOPE_API_TOKEN", TOKEN)
-    get_settings.cache_clear()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        get_settings.cache_clear()
 
 
 def test_cli_export_downloads_the_tables(

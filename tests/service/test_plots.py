@@ -6,14 +6,10 @@ service/plots.py; PNGs are checked by their bytes (signature, IHDR size) and dec
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import random
 import struct
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +18,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from service.app import create_app
-from service.config import Settings, get_settings
+from service.config import Settings
 from service.db.models import Metric, Trial
-from service.db.session import make_engine
-from tests.conftest import free_port
+from tests.service.conftest import create_via_api, live_api
 
-TOKEN = "plots-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 KINDS = ("metric", "scatter", "phase", "pareto", "history")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -133,34 +125,8 @@ def assert_drawn_png(data: bytes, size: tuple[int, int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def app_settings(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    home = tmp_path_factory.mktemp("home")
-    return Settings(database_url=module_db_url, ray_address="", api_tokens=TOKEN, home=home)
-
-
-@pytest.fixture(scope="module")
-def client(app_settings: Settings) -> Iterator[TestClient]:
-    app = create_app(app_settings, reconcile_loop=False)
-    with TestClient(app, raise_server_exceptions=False, headers=AUTH) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def engine(client: TestClient, module_db_url: str) -> Iterator[Engine]:
-    eng = make_engine(module_db_url)
-    yield eng
-    eng.dispose()
-
-
-def create(client: TestClient, body: dict[str, Any]) -> int:
-    r = client.post("/v1/studies", json=body)
-    assert r.status_code == 201, r.text
-    return int(r.json()["id"])
-
-
-@pytest.fixture(scope="module")
 def seeded(client: TestClient, engine: Engine) -> dict[str, Any]:
-    sid = create(client, spec("plots"))
+    sid = create_via_api(client, spec("plots"))
     data = [dict(zip(KEYS, t, strict=True)) for t in TRIALS]
     with Session(engine) as s:
         for d in data:
@@ -310,7 +276,7 @@ def test_metric_default_trials_are_the_best_few_feasible(
 def test_metric_default_trials_of_a_study_without_complete_trials_are_the_latest(
     client: TestClient, engine: Engine
 ) -> None:
-    sid = create(client, spec("running-only"))
+    sid = create_via_api(client, spec("running-only"))
     with Session(engine) as s:
         s.add_all(Trial(study_id=sid, number=n, state="RUNNING", params={}) for n in range(8))
         s.commit()
@@ -423,7 +389,7 @@ def test_pareto_of_two_objectives_is_the_brute_force_front(
             {"metric": "min_norm_entropy", "direction": "maximize"},
         ],
     )
-    sid = create(client, body)
+    sid = create_via_api(client, body)
     rng = random.Random(7)
     rows = []
     for n in range(30):
@@ -472,7 +438,7 @@ def test_pareto_of_two_objectives_is_the_brute_force_front(
 
 
 def test_empty_study_plots_say_no_data(client: TestClient) -> None:
-    sid = create(client, spec("empty"))
+    sid = create_via_api(client, spec("empty"))
     for kind in KINDS:
         r = client.get(f"/v1/studies/{sid}/plots/{kind}")
         assert r.status_code == 200, (kind, r.text)
@@ -525,7 +491,7 @@ def test_bad_kind_or_parameter_is_422_naming_it(
 
 
 def test_pareto_axis_must_be_an_objective(client: TestClient, engine: Engine) -> None:
-    sid = create(
+    sid = create_via_api(
         client,
         spec(
             "pareto-axes",
@@ -536,7 +502,7 @@ def test_pareto_axis_must_be_an_objective(client: TestClient, engine: Engine) ->
 
 
 def test_phase_needs_two_axes_without_a_two_parameter_space(client: TestClient) -> None:
-    sid = create(client, {"name": "no-space", "budget": {"n_trials": 2}})
+    sid = create_via_api(client, {"name": "no-space", "budget": {"n_trials": 2}})
     assert_error(client.get(f"/v1/studies/{sid}/plots/phase"), 422, "x")
     assert_error(client.get(f"/v1/studies/{sid}/plots/scatter"), 422, "x")
     ok = client.get(
@@ -564,38 +530,6 @@ def test_plots_need_the_token(client: TestClient, seeded: dict[str, Any]) -> Non
 
 
 # --- the CLI ------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def live_api(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The app served by uvicorn on a free loopback port; the CLI pointed at it."""
-    import uvicorn
-
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings, reconcile_loop=False),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    monkeypatch.setenv("QKSCOPE_API_URL", url)
-    monkeypatch.setenv("QKSCOPE_API_TOKEN", TOKEN)
-    get_settings.cache_clear()
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        get_settings.cache_clear()
 
 
 def test_cli_results_plot_writes_the_apis_png(
