@@ -280,6 +280,12 @@ class StudyRunner:
                 insert_metrics(s, rows)
                 for row_id, step in last_steps.items():
                     s.execute(update(Trial).where(Trial.id == row_id).values(last_step=step))
+                # Rows that land after the API cancelled their trial are counted too.
+                s.execute(
+                    update(Trial)
+                    .where(Trial.id.in_(last_steps), Trial.state == TrialState.CANCELLED)
+                    .values(metric_rows=stored_metric_rows())
+                )
 
         with_retry(write, "persist reports")
         self._prune_decisions(reports, inbox)
