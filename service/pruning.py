@@ -58,6 +58,8 @@ class IntermediateTracker:
         summary = SUMMARY_BY_NAME.get(metric)
         if summary is None or not summary.intermediate:
             raise ValueError(f"{metric!r} has no intermediate value")
+        if summary.over not in ("final", "min", "plateaus"):  # a registry entry out of step
+            raise ValueError(f"{metric!r}: no intermediate value over {summary.over!r}")
         self.summary: Summary = summary
         self.window, self.rel_tol = plateau_window, plateau_rel_tol
         self._evals: dict[int, float | None] = {}  # training step -> reduced source value
