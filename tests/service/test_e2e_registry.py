@@ -44,7 +44,7 @@ def _val_curve(client: TestClient, trial_id: int) -> dict[int, float]:
     return {m["step"]: m["value"] for m in r.json()}
 
 
-@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("db_url", ["sqlite", "postgresql"], indirect=True)
 def test_pruning_on_plateau_steps_and_cancelled_metric_rows(
     app_client: TestClient, ray_head: LocalRayHead, db_url: str
 ) -> None:
