@@ -64,6 +64,7 @@ SPEC: dict[str, Any] = {
 
 def eval_points(layers: int, heads: int, step: int) -> list[Any]:
     """One evaluation's MetricPoints, shaped like workers.trial.probe_metrics' output."""
+    from workers.metric_names import series_by_index
     from workers.trial import MetricPoint
 
     pts = [
@@ -75,7 +76,7 @@ def eval_points(layers: int, heads: int, step: int) -> list[Any]:
     ]
     for layer in range(layers):
         for head in range(heads):
-            for name in ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var"):
+            for name in series_by_index("head"):
                 pts.append(MetricPoint(name, 0.1 + 0.01 * head + 0.001 * step, layer, head))
     pts += [MetricPoint("rank_ratio", 1.0 / (1 + layer), layer) for layer in range(layers + 1)]
     return pts

@@ -44,11 +44,12 @@ from bench._common import (
     say,
     table,
 )
+from workers.metric_names import series_by_index
 
 GOAL_P95_MS = 50.0
 LAYERS, HEADS = 2, 2
-PER_HEAD = ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var")
-SCALARS = ("train_loss", "val_loss", "grad_norm", "lr", "reg_penalty")
+PER_HEAD = series_by_index("head")  # the metric registry's per-head series
+SCALARS = series_by_index("none")
 STATES = ["COMPLETE"] * 80 + ["PRUNED"] * 10 + ["DIVERGED"] * 5 + ["FAILED"] * 5
 
 SPEC: dict[str, Any] = {

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db.models import NO_INDEX, SUMMARY_COLUMNS, Metric, Study, Trial
 from service.db.session import session_scope
 from service.plots import collapse_class
-from service.spec import SUMMARY_METRICS
+from workers.metric_names import SUMMARIES
 
 __all__ = [
     "BATCH_ROWS",
@@ -64,13 +64,9 @@ _AFTER_VALUES = [
     ("error", "string"),
     ("status", "string"),  # the trial summary's status: completed, pruned, diverged
 ]
-_INT_SUMMARY = {"plateau_count", "plateau_steps", "longest_plateau"}
-_SUMMARY = [(m, "int64" if m in _INT_SUMMARY else "float64") for m in SUMMARY_METRICS] + [
-    ("entropy_collapse", "bool"),
-    ("rank_collapse", "bool"),
-    ("trapped", "bool"),
-    ("collapse_class", "string"),
-]
+# Every summary metric of the registry, typed as it says, then the collapse class.
+_ARROW_TYPE = {"float": "float64", "int": "int64", "bool": "bool"}
+_SUMMARY = [(m.name, _ARROW_TYPE[m.type]) for m in SUMMARIES] + [("collapse_class", "string")]
 _TRIAL_ATTRS = {"value", "feasible", "seed", "attempts", "node", "last_step", "metric_rows"}
 _TRIAL_ATTRS |= {"started_at", "finished_at", "duration_s", "error", "state", "number"}
 _SUMMARY_COLUMNS_ON_TRIAL = set(SUMMARY_COLUMNS)

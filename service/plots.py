@@ -37,8 +37,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db.models import NO_INDEX, Metric, Study, Trial, TrialState
-from service.spec import SUMMARY_METRICS
+from service.db.models import NO_INDEX, SUMMARY_COLUMNS, Metric, Study, Trial, TrialState
+from workers.metric_names import FLAG_SUMMARIES, NUMERIC_SUMMARIES, series_by_index
 
 __all__ = [
     "COLLAPSE_CLASSES",
@@ -57,10 +57,10 @@ __all__ = [
 
 PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history")
 COLLAPSE_CLASSES = ("healthy", "entropy_collapse", "rank_collapse", "both", "diverged", "trapped")
-# Metric names the trials write (README "Metric names"), by what they are indexed by.
-SCALAR_METRICS = ("train_loss", "val_loss", "grad_norm", "lr", "reg_penalty")
-LAYER_METRICS = ("rank_ratio",)
-HEAD_METRICS = ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var")
+# Metric names the trials write (the registry's series), by what they are indexed by.
+SCALAR_METRICS = series_by_index("none")
+LAYER_METRICS = series_by_index("layer")
+HEAD_METRICS = series_by_index("head")
 KNOWN_METRICS = SCALAR_METRICS + LAYER_METRICS + HEAD_METRICS
 DEFAULT_TRIALS = 5  # the "best few" of a metric plot
 MAX_TRIALS = 20  # trials on one metric plot
@@ -69,17 +69,13 @@ MEASURED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.DIVERGED)
 # Fields a scatter/phase axis or colour may name besides params.<path>: numbers first.
 _COLUMNS = (
     "value",
-    "final_val_loss",
-    "min_norm_entropy",
-    "final_rank_ratio",
-    "qk_eig_var",
-    "plateau_steps",
+    *(name for name in SUMMARY_COLUMNS if name in NUMERIC_SUMMARIES),
     "duration_s",
     "last_step",
     "number",
 )
-NUMERIC_FIELDS = tuple(dict.fromkeys((*_COLUMNS, *SUMMARY_METRICS)))
-FLAG_FIELDS = ("entropy_collapse", "rank_collapse", "trapped", "feasible")
+NUMERIC_FIELDS = tuple(dict.fromkeys((*_COLUMNS, *NUMERIC_SUMMARIES)))
+FLAG_FIELDS = (*FLAG_SUMMARIES, "feasible")
 CATEGORY_FIELDS = ("state", "collapse_class")
 _METRIC_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 _NUMBER = re.compile(r"[0-9]{1,9}")  # ASCII only: str.isdigit() also accepts "²"

@@ -41,6 +41,7 @@ from service.db.models import (
     StudyStatus,
     Trial,
     TrialState,
+    stored_metric_rows,
     utcnow,
 )
 from service.db.session import (
@@ -51,43 +52,18 @@ from service.db.session import (
     sqlite_pragmas,
     with_retry,
 )
+from service.pruning import IntermediateTracker, load_tracker
 from service.spec import StudySpec, apply_params
 from service.studies import make_pruner, make_sampler, optuna_study_name
 from workers import metrics as M
 from workers.remote import Report, Start, TrialInbox, run_trial_task
 
-__all__ = ["intermediate_value", "main", "run_study"]
+__all__ = ["main", "run_study"]
 
 log = logging.getLogger("qkscope.runner")
 _trial_task = ray.remote(run_trial_task)
 POLL_S = 0.25
 TERMINAL = {StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED}
-
-
-def intermediate_value(
-    metric: str, points: list[tuple[str, int | None, int | None, float]]
-) -> float | None:
-    """The per-evaluation counterpart of a summary metric, for Optuna's pruners."""
-
-    def values(name: str) -> list[tuple[int | None, float]]:
-        return [(layer, v) for n, layer, _h, v in points if n == name]
-
-    if metric in ("final_val_loss", "best_val_loss"):
-        vals = values("val_loss")
-        return vals[0][1] if vals else None
-    if metric == "final_train_loss":
-        vals = values("train_loss")
-        return vals[0][1] if vals else None
-    if metric in ("min_norm_entropy", "min_norm_entropy_ever"):
-        vals = values("attn_entropy_norm")
-        return min(v for _, v in vals) if vals else None
-    if metric == "final_rank_ratio":
-        vals = values("rank_ratio")
-        return max(vals, key=lambda lv: lv[0] or 0)[1] if vals else None
-    if metric in ("qk_eig_var", "qk_eig_mean"):
-        vals = values(metric)
-        return sum(v for _, v in vals) / len(vals) if vals else None
-    return None
 
 
 @dataclass
@@ -99,6 +75,7 @@ class _Running:
     last_step: int = 0
     starts: int = 0  # task executions seen in this runner; Ray retries make it > 1
     reported: set[int] = field(default_factory=set)
+    tracker: IntermediateTracker | None = None  # the pruned metric's evaluations so far
 
 
 class StudyRunner:
@@ -303,6 +280,12 @@ class StudyRunner:
                 insert_metrics(s, rows)
                 for row_id, step in last_steps.items():
                     s.execute(update(Trial).where(Trial.id == row_id).values(last_step=step))
+                # Rows that land after the API cancelled their trial are counted too.
+                s.execute(
+                    update(Trial)
+                    .where(Trial.id.in_(last_steps), Trial.state == TrialState.CANCELLED)
+                    .values(metric_rows=stored_metric_rows())
+                )
 
         with_retry(write, "persist reports")
         self._prune_decisions(reports, inbox)
@@ -313,15 +296,24 @@ class StudyRunner:
         metric = self.spec.objectives[0].metric
         for number, step, points in reports:
             entry = self.by_number.get(number)
-            value = intermediate_value(metric, points)
-            if entry is None or value is None or not math.isfinite(value) or step in entry.reported:
+            # step 0 is the untrained model (eval_at_init): nothing to judge a run by yet
+            if entry is None or step == 0 or step in entry.reported:
                 continue
-            if step == 0:  # the untrained model (eval_at_init): nothing to judge a run by yet
+            if entry.tracker is None:  # rebuilt from stored rows: a resumed trial too
+                load = functools.partial(self._load_tracker, entry.row_id, metric)
+                entry.tracker = with_retry(load, "load tracker")
+            entry.tracker.add(step, points)
+            value = entry.tracker.value(step)
+            if value is None or not math.isfinite(value):
                 continue
             entry.reported.add(step)
             with_retry(functools.partial(entry.trial.report, value, step), "report")
             if with_retry(entry.trial.should_prune, "should_prune"):
                 inbox.prune.remote(number)
+
+    def _load_tracker(self, row_id: int, metric: str) -> IntermediateTracker:
+        with session_scope(self.sessions) as s:
+            return load_tracker(s, row_id, metric, self.spec.base)
 
     # ---- results ------------------------------------------------------------------------------
 
@@ -488,6 +480,16 @@ class StudyRunner:
                     .values(
                         state=TrialState.CANCELLED, finished_at=utcnow(), error="study cancelled"
                     )
+                )
+                # Cancelled here or by the API a moment ago: count what is stored now, after
+                # the last batch this runner persisted.
+                s.execute(
+                    update(Trial)
+                    .where(
+                        Trial.id.in_([e.row_id for e in entries]),
+                        Trial.state == TrialState.CANCELLED,
+                    )
+                    .values(metric_rows=stored_metric_rows())
                 )
 
         with_retry(write, "cancel trials")

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 
+from workers.metric_names import INTERMEDIATE_SUMMARIES, OBJECTIVE_SUMMARIES
 from workers.trial import TrialConfig, TrialSummary
 
 __all__ = [
@@ -27,21 +36,22 @@ __all__ = [
     "parse_spec",
 ]
 
-SummaryMetric = Literal[
-    "final_val_loss",
-    "best_val_loss",
-    "final_train_loss",
-    "min_norm_entropy",
-    "min_norm_entropy_ever",
-    "final_rank_ratio",
-    "qk_eig_var",
-    "qk_eig_mean",
-    "plateau_count",
-    "plateau_steps",
-    "longest_plateau",
+
+def _summary_metric(name: str) -> str:
+    if name not in OBJECTIVE_SUMMARIES:
+        raise ValueError(
+            f"unknown summary metric {name!r}; one of {', '.join(OBJECTIVE_SUMMARIES)}"
+        )
+    return name
+
+
+# A TrialSummary number a study may optimise or constrain: the registry's objective metrics.
+SummaryMetric = Annotated[
+    str,
+    AfterValidator(_summary_metric),
+    WithJsonSchema({"type": "string", "enum": list(OBJECTIVE_SUMMARIES)}),
 ]
-# Numeric TrialSummary fields a study may optimise or constrain.
-SUMMARY_METRICS: tuple[str, ...] = get_args(SummaryMetric)
+SUMMARY_METRICS: tuple[str, ...] = OBJECTIVE_SUMMARIES
 
 
 class _Strict(BaseModel):
@@ -178,6 +188,12 @@ class StudySpec(_Strict):
     def _consistent(self) -> StudySpec:
         if len(self.objectives) > 1 and self.pruner.kind != "none":
             raise SpecError("pruner.kind", "pruning needs a single objective: set it to none")
+        if self.pruner.kind != "none" and self.objectives[0].metric not in INTERMEDIATE_SUMMARIES:
+            raise SpecError(
+                "objectives.0.metric",
+                f"{self.objectives[0].metric} has no intermediate value to prune on; "
+                "set pruner.kind to none",
+            )
         if self.sampler.kind == "grid":
             for path, p in self.search_space.items():
                 if isinstance(p, FloatParam | IntParam) and p.grid is None:

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.db.models import Study, StudyStatus, Trial, TrialState, utcnow
+from service.db.models import Study, StudyStatus, Trial, TrialState, stored_metric_rows, utcnow
 from service.db.session import session_scope
 from service.ray_cluster import JobLauncher
 from service.spec import StudySpec
@@ -200,7 +200,12 @@ def cancel_study(
         s.execute(
             update(Trial)
             .where(Trial.study_id == study_id, Trial.state == TrialState.RUNNING)
-            .values(state=TrialState.CANCELLED, finished_at=utcnow(), error="study cancelled")
+            .values(
+                state=TrialState.CANCELLED,
+                finished_at=utcnow(),
+                error="study cancelled",
+                metric_rows=stored_metric_rows(),
+            )
         )
         row = s.get(Study, study_id)
     return row

@@ -184,13 +184,21 @@ def _check_param_filter(study: Study, field: str, query_param: str) -> None:
         )
 
 
+_FIELDS = ", ".join(queries.SORTABLE)
+_WHERE_DOC = (
+    f"`FIELD OP NUMBER`, OP one of >=, <=, >, <, =; FIELD is params.<path> or one of {_FIELDS}"
+    " (flags: `trapped=1` / `trapped=0`). Repeat to combine (and)."
+)
+_SORT_DOC = f"params.<path> or one of {_FIELDS}; a leading `-` sorts descending."
+
+
 @router.get("/studies/{study_id}/trials", response_model=Page[TrialOut])
 def list_trials(
     session: SessionDep,
     study_id: StudyId,
     state: Annotated[list[TrialState] | None, Query()] = None,
-    where: Annotated[list[str] | None, Query(max_length=20)] = None,
-    sort: Annotated[str, Query(max_length=100)] = "number",
+    where: Annotated[list[str] | None, Query(max_length=20, description=_WHERE_DOC)] = None,
+    sort: Annotated[str, Query(max_length=100, description=_SORT_DOC)] = "number",
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     offset: Offset = 0,
 ) -> Page[TrialOut]:

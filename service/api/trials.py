@@ -12,6 +12,7 @@ from service.api.errors import ApiError
 from service.api.schemas import FieldError, MetricOut, TrialOut
 from service.db import queries
 from service.db.models import Trial
+from workers.metric_names import SERIES_NAMES
 
 __all__ = ["router"]
 
@@ -47,7 +48,10 @@ def get_metrics(
     step_max: Annotated[int | None, Bounded] = None,
     limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
 ) -> list[MetricOut]:
-    """Metric rows ordered by (name, layer, head, step); layer/head null where not applicable."""
+    """Metric rows ordered by (name, layer, head, step); layer/head null where not applicable.
+
+    `name=` takes the metric names of docs/metrics.md (or any other name stored for the
+    trial); an unknown name is a 422 naming `name`, not an empty list."""
     _get_trial(session, trial_id)
     bad = [n for n in name or [] if not _METRIC_NAME.fullmatch(n)]
     if bad:
@@ -56,6 +60,17 @@ def get_metrics(
             "validation_error",
             f"name: {bad[0]!r} is not a metric name",
             [FieldError(field="name", message="letters, digits and _ only")],
+        )
+    # A name outside the registry is fine only if the trial stored it (as the plot route).
+    unknown = [n for n in name or [] if n not in SERIES_NAMES]
+    missing = set(unknown) - queries.stored_metric_names(session, trial_id, unknown)
+    if missing:
+        first = next(n for n in unknown if n in missing)
+        raise ApiError(
+            422,
+            "validation_error",
+            f"name: unknown metric {first!r}",
+            [FieldError(field="name", message=f"one of {', '.join(SERIES_NAMES)}")],
         )
     rows = queries.metric_series(
         session,

@@ -19,27 +19,33 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    ScalarSelect,
     String,
     Text,
     UniqueConstraint,
+    func,
+    select,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "Metric", "Study", "StudyStatus", "Trial", "TrialState", "utcnow"]
+from workers.metric_names import COLUMN_SUMMARIES
+
+__all__ = [
+    "Base",
+    "Metric",
+    "Study",
+    "StudyStatus",
+    "Trial",
+    "TrialState",
+    "stored_metric_rows",
+    "utcnow",
+]
 
 NO_INDEX = -1  # layer/head value for metrics that have none (keeps the primary key total)
 # Summary numbers the runner copies from a trial's summary into Trial columns, so the
-# results API can filter and sort on them.
-SUMMARY_COLUMNS = (
-    "final_val_loss",
-    "min_norm_entropy",
-    "final_rank_ratio",
-    "qk_eig_var",
-    "plateau_steps",
-    "entropy_collapse",
-    "rank_collapse",
-    "trapped",
-)
+# results API can filter and sort on them fast: the registry's `column` summaries (a test
+# checks that the Trial class below has exactly these columns).
+SUMMARY_COLUMNS: tuple[str, ...] = COLUMN_SUMMARIES
 
 
 def utcnow() -> datetime:
@@ -144,3 +150,12 @@ class Metric(Base):
     head: Mapped[int] = mapped_column(Integer, primary_key=True, default=NO_INDEX)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     value: Mapped[float | None] = mapped_column(Float, default=None)
+
+
+def stored_metric_rows() -> ScalarSelect[int]:
+    """The number of metric rows stored for the `Trial` row being updated (correlated).
+
+    For `update(Trial)...values(metric_rows=stored_metric_rows())`: every path that finishes
+    a trial in bulk (a cancel) counts its rows the same way the runner does one by one.
+    """
+    return select(func.count()).where(Metric.trial_id == Trial.id).scalar_subquery()

@@ -10,7 +10,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, Row, and_, case, func, select
 from sqlalchemy.orm import Session
 
-from service.db.models import NO_INDEX, Metric, Study, Trial, TrialState
+from service.db.models import NO_INDEX, SUMMARY_COLUMNS, Metric, Study, Trial, TrialState
+from workers.metric_names import FLAG_SUMMARIES, SUMMARY_NAMES
 
 __all__ = [
     "SORTABLE",
@@ -19,20 +20,28 @@ __all__ = [
     "list_trials",
     "metric_series",
     "parse_filter",
+    "stored_metric_names",
     "study_summary",
 ]
 
+
+def _summary_field(name: str) -> Any:
+    """A summary metric's own column, else its number in the trial's summary JSON."""
+    if name in SUMMARY_COLUMNS:
+        return getattr(Trial, name)
+    return Trial.summary[name].as_float()
+
+
+# Fields `where=` and `sort=` accept besides params.<path>: the trial's own numbers and
+# every summary metric of the registry (workers.metric_names), flags included.
 SORTABLE: dict[str, Any] = {
     "number": Trial.number,
     "value": Trial.value,
-    "final_val_loss": Trial.final_val_loss,
-    "min_norm_entropy": Trial.min_norm_entropy,
-    "final_rank_ratio": Trial.final_rank_ratio,
-    "qk_eig_var": Trial.qk_eig_var,
-    "plateau_steps": Trial.plateau_steps,
+    **{name: _summary_field(name) for name in SUMMARY_NAMES},
     "duration_s": Trial.duration_s,
     "started_at": Trial.started_at,
 }
+FLAGS = frozenset(FLAG_SUMMARIES)
 _OPS = {">=": "__ge__", "<=": "__le__", ">": "__gt__", "<": "__lt__", "=": "__eq__"}
 _FILTER_RE = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(>=|<=|>|<|=)\s*(.+?)\s*$")
 
@@ -56,6 +65,8 @@ class TrialFilter:
             col: Any = Trial.params[self.field.removeprefix("params.")].as_float()
         else:
             col = SORTABLE[self.field]
+        if self.field in FLAGS:  # `trapped=1`: a flag compares with true (1) or false (0)
+            return col.is_(self.value == 1.0)  # type: ignore[no-any-return]
         return getattr(col, _OPS[self.op])(self.value)  # type: ignore[no-any-return]
 
 
@@ -75,6 +86,8 @@ def parse_filter(expr: str) -> TrialFilter:
         value = float(raw)
     except ValueError:
         raise QueryError("where", f"{raw!r} is not a number") from None
+    if field in FLAGS and (op != "=" or value not in (0.0, 1.0)):
+        raise QueryError("where", f"{field} is a flag: use {field}=1 (true) or {field}=0 (false)")
     return TrialFilter(field, op, value)
 
 
@@ -161,6 +174,18 @@ def metric_series(
         q = q.where(Metric.step <= step_max)
     q = q.order_by(Metric.name, Metric.layer, Metric.head, Metric.step).limit(limit)
     return list(s.execute(q).all())
+
+
+def stored_metric_names(s: Session, trial_id: int, names: list[str]) -> set[str]:
+    """Which of `names` the trial has rows of (one index probe per name)."""
+    return {
+        n
+        for n in names
+        if s.scalar(
+            select(Metric.step).where(Metric.trial_id == trial_id, Metric.name == n).limit(1)
+        )
+        is not None
+    }
 
 
 def index_or_none(v: int) -> int | None:

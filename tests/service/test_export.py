@@ -74,6 +74,7 @@ def summary_of(d: dict[str, Any]) -> dict[str, Any] | None:
         "entropy_collapse": d["ec"],
         "rank_collapse": d["rc"],
         "trapped": d["trapped"],
+        "init_val_loss": 4.0 + n / 10,  # eval_at_init numbers are exported too
         "eval_steps": [0, 50, 100],
         "val_losses": [3.0, 2.5, d["value"]],
     }
@@ -164,6 +165,7 @@ FIXED_COLUMNS = [
     "final_val_loss", "best_val_loss", "final_train_loss", "min_norm_entropy",
     "min_norm_entropy_ever", "final_rank_ratio", "qk_eig_var", "qk_eig_mean", "plateau_count",
     "plateau_steps", "longest_plateau", "entropy_collapse", "rank_collapse", "trapped",
+    "init_val_loss", "init_min_norm_entropy", "init_rank_ratio", "init_qk_eig_var",
     "collapse_class",
 ]  # fmt: skip
 PARAM_COLUMNS = [f"params.{p}" for p in SPACE]
