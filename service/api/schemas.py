@@ -63,6 +63,7 @@ class TrialOut(BaseModel):
     values: list[float | None] | None
     feasible: bool | None
     last_step: int
+    penalty_version: int
     final_val_loss: float | None
     min_norm_entropy: float | None
     final_rank_ratio: float | None
