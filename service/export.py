@@ -57,6 +57,7 @@ _AFTER_VALUES = [
     ("attempts", "int64"),
     ("node", "string"),
     ("last_step", "int64"),
+    ("penalty_version", "int64"),
     ("metric_rows", "int64"),
     ("started_at", "timestamp"),
     ("finished_at", "timestamp"),
@@ -68,6 +69,7 @@ _AFTER_VALUES = [
 _ARROW_TYPE = {"float": "float64", "int": "int64", "bool": "bool"}
 _SUMMARY = [(m.name, _ARROW_TYPE[m.type]) for m in SUMMARIES] + [("collapse_class", "string")]
 _TRIAL_ATTRS = {"value", "feasible", "seed", "attempts", "node", "last_step", "metric_rows"}
+_TRIAL_ATTRS |= {"penalty_version"}
 _TRIAL_ATTRS |= {"started_at", "finished_at", "duration_s", "error", "state", "number"}
 _SUMMARY_COLUMNS_ON_TRIAL = set(SUMMARY_COLUMNS)
 METRIC_COLUMNS = [

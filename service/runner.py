@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.config import Settings, get_settings
 from service.db.ingest import insert_metrics
 from service.db.models import (
+    CURRENT_PENALTY_VERSION,
     NO_INDEX,
     SUMMARY_COLUMNS,
     Metric,
@@ -167,7 +168,13 @@ class StudyRunner:
 
         def insert() -> int:
             with session_scope(self.sessions) as s:
-                row = Trial(study_id=self.study_id, number=trial.number, params=params, seed=seed)
+                row = Trial(
+                    study_id=self.study_id,
+                    number=trial.number,
+                    params=params,
+                    seed=seed,
+                    penalty_version=CURRENT_PENALTY_VERSION,
+                )
                 s.add(row)
                 s.flush()
                 return row.id

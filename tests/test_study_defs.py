@@ -1,13 +1,20 @@
-"""Every shipped study definition is a valid StudySpec within the default limits."""
+"""Every shipped study definition is a valid StudySpec within the default limits, every
+reproduction runs at least three seeds per setting, and each reproduction trains at reduced
+size on the CPU through the real trial code."""
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from service.config import Settings
-from service.spec import check_limits, parse_spec
+from service.spec import StudySpec, apply_params, check_limits, parse_spec
+from workers.trial import TrialConfig, run_trial
 
 DEFS = sorted((Path(__file__).resolve().parents[1] / "study_defs").glob("*.yaml"))
 
@@ -44,6 +51,126 @@ def test_grid_studies_run_their_whole_grid_once(path: Path) -> None:
     assert spec.budget.n_trials == size
 
 
+def _spec(name: str) -> StudySpec:
+    return parse_spec((DEFS[0].parent / name).read_bytes(), "application/yaml")
+
+
+REPRO = [p for p in DEFS if p.name.startswith("repro_") or p.name.startswith("gpu_")]
+SEEDED = [p for p in REPRO if _spec(p.name).sampler.kind == "grid"]
+DATA_ROOT = Path(os.environ.get("QKSCOPE_DATA_DIR", "/work/shared/data"))
+
+
+@pytest.fixture
+def one_thread() -> Any:
+    """One torch thread, as under Ray: tiny models on a shared CPU run faster and steadier."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("path", SEEDED, ids=[p.name for p in SEEDED])
+def test_every_reproduction_runs_three_seeds_per_setting(path: Path) -> None:
+    """The grid includes a `seed` axis of >= 3 distinct seeds, so each setting has 3 seeds."""
+    spec = _spec(path.name)
+    seed = spec.search_space.get("seed")
+    assert seed is not None and seed.type == "int" and seed.grid is not None
+    assert len(set(seed.grid)) >= 3
+
+
+def test_gpu_scale_definitions_for_both_papers() -> None:
+    bao, dong = _spec("gpu_bao_wikitext2.yaml"), _spec("gpu_dong_depth.yaml")
+    for spec in (bao, dong):
+        assert spec.base.device == "cuda" and spec.resources.gpus > 0
+    lam = bao.search_space["regularizer.lambda"]
+    assert lam.type == "float" and lam.grid is not None
+    assert 0.0 in lam.grid and len(lam.grid) >= 3  # the no-regularizer baseline and a sweep
+    assert bao.base.task.kind == "lm" and bao.base.regularizer.kind == "locater"
+    assert bao.base.steps >= 3000
+    depth = dong.search_space["model.n_layers"]
+    assert depth.type == "int" and depth.grid is not None and max(depth.grid) >= 24
+    assert dong.base.model.d_model >= 256
+    block = dong.search_space["model.block"]
+    assert block.type == "categorical"
+    assert set(block.choices) == {"pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"}
+    assert dong.base.dtype == "float32"  # collapsed ratios (~1e-7) are below bf16's resolution
+
+
+def _variety(spec: StudySpec, every_choice: bool) -> list[dict[str, Any]]:
+    """Grid points to train: numbers at their largest grid value (depth capped at 3) and,
+    with `every_choice`, each choice of the first categorical parameter once."""
+    fixed: dict[str, Any] = {}
+    cats: list[tuple[str, list[Any]]] = []
+    for name, p in spec.search_space.items():
+        if name == "seed":
+            continue
+        if p.type == "categorical":
+            cats.append((name, list(p.choices)))
+        elif p.type in ("float", "int"):
+            values = p.grid if p.grid is not None else [p.high]
+            fixed[name] = max(values) if name != "model.n_layers" else min(max(values), 3)
+    if not cats or not every_choice:
+        return [{**fixed, **{n: c[-1] for n, c in cats}}]
+    name, choices = cats[0]
+    return [{**fixed, **{n: c[0] for n, c in cats[1:]}, name: c} for c in choices]
+
+
+def _reduced(config: TrialConfig) -> TrialConfig:
+    """Same architecture switches and task kind, CPU-sized: a few steps of a tiny model."""
+    task = config.task.model_copy(
+        update={
+            "seq_len": min(config.task.seq_len, 16),
+            "vocab_cap": min(config.task.vocab_cap, 200),
+            "max_train_tokens": 20_000 if config.task.kind == "lm" else None,
+            "n_valid": min(config.task.n_valid, 16),
+        }
+    )
+    if task.data_dir and not Path(task.data_dir).is_absolute():
+        task = task.model_copy(update={"data_dir": str(DATA_ROOT / task.data_dir)})
+    heads = min(config.model.n_heads, 2)
+    model = config.model.model_copy(
+        update={
+            "n_layers": min(config.model.n_layers, 3),
+            "n_heads": heads,
+            "d_model": 16,
+            "d_ff": 32,
+        }
+    )
+    data = config.model_dump(by_alias=True)
+    data.update(
+        task=task.model_dump(),
+        model=model.model_dump(),
+        steps=2,
+        eval_every=1,
+        eval_batches=1,
+        batch_size=4,
+        probe_batch_size=2,
+        device="cpu",
+        dtype="float32",
+    )
+    data["optim"]["warmup_steps"] = min(config.optim.warmup_steps, 2)
+    return TrialConfig.model_validate(data)
+
+
+@pytest.mark.parametrize("path", REPRO, ids=[p.name for p in REPRO])
+def test_reproduction_trains_at_reduced_size_on_cpu(path: Path, one_thread: None) -> None:
+    """Each CPU reproduction trains every variant of its first categorical switch (one point
+    for the GPU definitions) through `run_trial`, a few steps of a tiny model on the CPU."""
+    spec = _spec(path.name)
+    if spec.base.task.kind == "lm" and not (DATA_ROOT / "wikitext-2" / "valid.txt").is_file():
+        pytest.skip("WikiText-2 not available (set QKSCOPE_DATA_DIR)")
+    for params in _variety(spec, every_choice=path.name.startswith("repro_")):
+        config = _reduced(apply_params(spec.base, params))
+        summary = run_trial(config)
+        assert summary.status in ("completed", "diverged"), (path.name, params)
+        assert summary.steps_done >= 1 and summary.eval_steps, (path.name, params)
+        if summary.status == "completed":
+            assert summary.final_val_loss is not None and math.isfinite(summary.final_val_loss)
+            assert summary.final_rank_ratio is not None
+        if spec.base.eval_at_init:
+            assert summary.init_rank_ratio is not None
+
+
 def test_reproduction_studies_ship() -> None:
     """docs/reproductions.md reports these; the rank-collapse one measures at initialisation."""
     names = {p.name for p in DEFS}
@@ -53,6 +180,11 @@ def test_reproduction_studies_ship() -> None:
         "repro_localization_long.yaml",
         "repro_localization_seeds.yaml",
         "repro_stable_search.yaml",
+        "repro_rank_collapse_variants.yaml",
+        "repro_localization_v2.yaml",
+        "repro_entropy_collapse.yaml",
+        "gpu_bao_wikitext2.yaml",
+        "gpu_dong_depth.yaml",
     }
     assert repro <= names
     by_name = {p.name: parse_spec(p.read_bytes(), "application/yaml") for p in DEFS}
@@ -60,3 +192,6 @@ def test_reproduction_studies_ship() -> None:
     assert rank.base.eval_at_init
     assert {"model.skip", "model.mlp", "model.n_layers"} <= set(rank.search_space)
     assert by_name["repro_stable_search.yaml"].constraints
+    zhai = by_name["repro_entropy_collapse.yaml"]
+    assert zhai.base.optim.warmup_steps == 0 and zhai.base.optim.schedule == "constant"
+    assert {"optim.lr", "model.qk_norm", "regularizer.lambda"} <= set(zhai.search_space)

@@ -1,4 +1,4 @@
-"""The attention-health metrics of shared/METRICS.md, one function each.
+"""The attention-health metrics of docs/metrics.md, one function each.
 
 Every number qkscope stores comes from here, so each function follows the
 contract's definition literally (sections in brackets). All take and return

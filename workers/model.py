@@ -1,7 +1,8 @@
 """A small decoder-only transformer whose attention health qkscope studies.
 
 nanoGPT-shaped, with the switches the two papers need: residual connections
-and MLPs on or off (the four variants of Dong et al. 2021), LayerNorm placement,
+and MLPs on or off (the four variants of Dong et al. 2021, plus the authors'
+attention + MLP variant whose MLP keeps its own skip), LayerNorm placement,
 QK normalisation baselines (QK-LayerNorm, sigma-reparam of Zhai et al. 2023) and
 the init scale of the query/key projections, the most direct knob on the QK
 eigenspectrum at initialisation (Bao et al. 2024).
@@ -22,7 +23,27 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
-__all__ = ["GPT", "ModelConfig", "ProbeOutput", "SigmaReparamLinear"]
+__all__ = [
+    "BLOCK_PRESETS",
+    "GPT",
+    "BlockPreset",
+    "ModelConfig",
+    "ProbeOutput",
+    "SigmaReparamLinear",
+]
+
+BlockPreset = Literal["custom", "pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"]
+# (skip, mlp, mlp_skip) of each named variant of Dong et al. 2021. "attn_mlp" is attention + MLP
+# with no residual anywhere; "attn_mlp_skip" is the variant of the authors' code
+# (twistedcubic/attention-rank-collapse, walking_casual_transformers.ipynb): the residual around
+# attention is removed but the MLP sublayer keeps its own.
+BLOCK_PRESETS: dict[str, tuple[bool, bool, bool]] = {
+    "pure": (False, False, False),
+    "attn_mlp": (False, True, False),
+    "attn_mlp_skip": (False, True, True),
+    "attn_skip": (True, False, True),
+    "full": (True, True, True),
+}
 
 
 class ModelConfig(BaseModel):
@@ -35,12 +56,26 @@ class ModelConfig(BaseModel):
     d_model: int = Field(64, ge=4, le=8192)
     d_ff: int = Field(256, ge=4, le=32768)
     norm: Literal["pre", "post", "none"] = "pre"
-    skip: bool = True  # residual connections around attention (and the MLP)
+    skip: bool = True  # residual connection around attention (and the MLP unless mlp_skip says)
     mlp: bool = True
+    mlp_skip: bool | None = None  # residual around the MLP; None = the same as `skip`
+    # A named Dong et al. variant; anything but "custom" sets skip, mlp and mlp_skip.
+    block: BlockPreset = "custom"
     qk_norm: Literal["none", "layernorm", "sigma_reparam"] = "none"
     qk_init_std: float = Field(0.02, gt=0.0, le=10.0)
     attn_temperature: float = Field(1.0, gt=0.0, le=100.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _apply_block_preset(self) -> ModelConfig:
+        if self.block != "custom":
+            self.skip, self.mlp, self.mlp_skip = BLOCK_PRESETS[self.block]
+        return self
+
+    @property
+    def mlp_residual(self) -> bool:
+        """Whether the MLP sublayer adds its input back (its own skip connection)."""
+        return self.skip if self.mlp_skip is None else self.mlp_skip
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -200,9 +235,9 @@ class Block(nn.Module):
         self.ln2: nn.Module = nn.LayerNorm(cfg.d_model) if use_norm else nn.Identity()
         self.drop = nn.Dropout(cfg.dropout)
 
-    def _residual(self, x: Tensor, out: Tensor, ln: nn.Module) -> Tensor:
+    def _residual(self, x: Tensor, out: Tensor, ln: nn.Module, skip: bool) -> Tensor:
         """Combine a sublayer's input and output: skip or not, post-norm or not."""
-        y = x + out if self.cfg.skip else out
+        y = x + out if skip else out
         return ln(y) if self.cfg.norm == "post" else y
 
     def _run(self, x: Tensor, probe: bool) -> tuple[Tensor, Tensor | None]:
@@ -213,10 +248,10 @@ class Block(nn.Module):
             a_out, attn_map = self.attn.probe(a_in)
         else:
             a_out = self.attn(a_in)
-        x = self._residual(x, self.drop(a_out), self.ln1)
+        x = self._residual(x, self.drop(a_out), self.ln1, self.cfg.skip)
         if self.mlp is not None:
             m_out = self.mlp(self.ln2(x) if pre else x)
-            x = self._residual(x, m_out, self.ln2)
+            x = self._residual(x, m_out, self.ln2, self.cfg.mlp_residual)
         return x, attn_map
 
     def forward(self, x: Tensor) -> Tensor:

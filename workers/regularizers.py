@@ -1,4 +1,4 @@
-"""Eigenspectrum regularizers of shared/METRICS.md section 4.
+"""Eigenspectrum regularizers of docs/metrics.md section 4 (penalty version 2).
 
 Both are computed from a head's query/key weights without forming the D x D
 QK matrix, so they are cheap enough to add to every training step. They
@@ -15,7 +15,18 @@ from torch import Tensor
 
 from workers.metrics import qk_sym_moments
 
-__all__ = ["RegularizerKind", "locater_penalty", "model_penalty", "spectral_variance_penalty"]
+__all__ = [
+    "PENALTY_VERSION",
+    "RegularizerKind",
+    "locater_penalty",
+    "model_penalty",
+    "spectral_variance_penalty",
+]
+
+# Version of the penalty definitions below; every trial records the version that trained it.
+# 1: locater = ||W_sym||_F^2 / D + (mean - t)^2 (held the eigen-mean at t / 2, not at t).
+# 2: locater = var + (mean - t)^2 (minimum exactly var 0, mean t).
+PENALTY_VERSION = 2
 
 RegularizerKind = Literal["none", "spectral_variance", "locater"]
 
@@ -27,14 +38,15 @@ def spectral_variance_penalty(w_q: Tensor, w_k: Tensor) -> Tensor:
 
 
 def locater_penalty(w_q: Tensor, w_k: Tensor, target_mean: float) -> Tensor:
-    """LocAteR-style: ||W_sym||_F^2 / D + (mean - target_mean)^2.
+    """LocAteR-style (v2): var + (mean - target_mean)^2 of the symmetric part's eigenvalues.
 
-    Shrinks the scale of the eigenspectrum while holding its mean at
-    `target_mean`, in the spirit of Bao et al.'s LocAteR (not its exact
-    published form).
+    Shrinks the spread of the eigenspectrum around its mean while holding the mean at
+    `target_mean`, in the spirit of Bao et al.'s LocAteR (not its exact published form);
+    the minimum is exactly var = 0, mean = target_mean. (v1 used ||W_sym||_F^2 / D =
+    var + mean^2 in place of var, which held the mean at target_mean / 2.)
     """
     mean, sym_sq = qk_sym_moments(w_q, w_k)
-    return sym_sq + (mean - target_mean).square()
+    return sym_sq - mean.square() + (mean - target_mean).square()
 
 
 def model_penalty(

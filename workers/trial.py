@@ -2,7 +2,7 @@
 
 `run_trial(config, reporter)` is what a Ray worker runs. Every `eval_every`
 steps it measures validation loss and, on a fixed probe batch, every metric of
-shared/METRICS.md per layer and head; hands them to the reporter (which may
+docs/metrics.md per layer and head; hands them to the reporter (which may
 answer "stop": that is how pruning works); and writes a checkpoint that a
 rerun of the same config resumes from with the same result. A NaN/inf loss
 ends the trial as `diverged`, with the metrics measured so far.
@@ -224,7 +224,7 @@ def build_model(config: TrialConfig, task: Task) -> GPT:
 
 @torch.no_grad()
 def probe_metrics(model: GPT, probe_x: Tensor) -> list[MetricPoint]:
-    """Every METRICS.md quantity per layer (1..L; 0 = embeddings for rank) and head."""
+    """Every docs/metrics.md quantity per layer (1..L; 0 = embeddings for rank) and head."""
     was_training = model.training
     model.eval()
     out = model.probe(probe_x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import AfterValidator, BaseModel
+from pydantic import AfterValidator, BaseModel, Field
 
 from service.db.models import Study, Trial
 
@@ -63,6 +63,10 @@ class TrialOut(BaseModel):
     values: list[float | None] | None
     feasible: bool | None
     last_step: int
+    penalty_version: int = Field(
+        description="Which eigenspectrum-penalty definition trained the trial: 1 (v1) or 2 (v2);"
+        " see docs/metrics.md section 4"
+    )
     final_val_loss: float | None
     min_norm_entropy: float | None
     final_rank_ratio: float | None

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import yaml
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
@@ -197,13 +197,16 @@ def list_trials(
     session: SessionDep,
     study_id: StudyId,
     state: Annotated[list[TrialState] | None, Query()] = None,
+    penalty_version: Annotated[list[Annotated[int, Field(ge=1, le=1000)]] | None, Query()] = None,
     where: Annotated[list[str] | None, Query(max_length=20, description=_WHERE_DOC)] = None,
     sort: Annotated[str, Query(max_length=100, description=_SORT_DOC)] = "number",
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     offset: Offset = 0,
 ) -> Page[TrialOut]:
-    """Filter (`state=`, `where=min_norm_entropy>=0.1`, `where=params.regularizer.lambda<0.1`),
-    sort (`sort=-final_val_loss`, `sort=params.model.qk_init_std`) and page a study's trials."""
+    """Filter (`state=`, `penalty_version=2`, `where=min_norm_entropy>=0.1`,
+    `where=params.regularizer.lambda<0.1`), sort (`sort=-final_val_loss`,
+    `sort=params.model.qk_init_std`) and page a study's trials. `penalty_version` is the
+    eigenspectrum-penalty definition that trained a trial (docs/metrics.md section 4)."""
     study = _get_study(session, study_id)
     try:
         filters = [queries.parse_filter(w) for w in where or []]
@@ -216,6 +219,7 @@ def list_trials(
             session,
             study_id,
             states=[s.value for s in state or []],
+            penalty_versions=penalty_version,
             filters=filters,
             sort=sort,
             limit=limit,

@@ -31,6 +31,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from workers.metric_names import COLUMN_SUMMARIES
 
 __all__ = [
+    "CURRENT_PENALTY_VERSION",
     "Base",
     "Metric",
     "Study",
@@ -40,6 +41,11 @@ __all__ = [
     "stored_metric_rows",
     "utcnow",
 ]
+
+# The eigenspectrum-penalty version new trials are trained with (docs/metrics.md section 4).
+# It must equal workers.regularizers.PENALTY_VERSION (a test checks); it lives here too so the
+# service can label trials without importing torch. Rows from before the column are 1.
+CURRENT_PENALTY_VERSION = 2
 
 NO_INDEX = -1  # layer/head value for metrics that have none (keeps the primary key total)
 # Summary numbers the runner copies from a trial's summary into Trial columns, so the
@@ -121,6 +127,8 @@ class Trial(Base):
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     last_step: Mapped[int] = mapped_column(Integer, default=0)
+    # Which definition of the eigenspectrum penalties trained this trial (1 or 2).
+    penalty_version: Mapped[int] = mapped_column(Integer, default=CURRENT_PENALTY_VERSION)
     # Metric rows stored for this trial, counted when it finishes (Prometheus reads the sum).
     metric_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # Summary numbers copied into columns so the results API can filter and sort on them.

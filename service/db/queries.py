@@ -38,6 +38,7 @@ SORTABLE: dict[str, Any] = {
     "number": Trial.number,
     "value": Trial.value,
     **{name: _summary_field(name) for name in SUMMARY_NAMES},
+    "penalty_version": Trial.penalty_version,
     "duration_s": Trial.duration_s,
     "started_at": Trial.started_at,
 }
@@ -110,6 +111,7 @@ def list_trials(
     study_id: int,
     *,
     states: list[str] | None = None,
+    penalty_versions: list[int] | None = None,
     filters: list[TrialFilter] | None = None,
     sort: str = "number",
     limit: int = 50,
@@ -124,6 +126,8 @@ def list_trials(
     where = [Trial.study_id == study_id]
     if states:
         where.append(Trial.state.in_(states))
+    if penalty_versions:
+        where.append(Trial.penalty_version.in_(penalty_versions))
     where += [f.clause() for f in filters or []]
     page = s.execute(
         select(Trial.id, func.count().over())

@@ -20,7 +20,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.db.models import Metric, Trial
+from service.db.models import CURRENT_PENALTY_VERSION, Metric, Trial
 from service.db.session import make_engine
 from service.export import export_stream
 from tests.service.conftest import create_via_api, live_api
@@ -161,7 +161,7 @@ def seeded(client: TestClient, engine: Engine) -> dict[str, Any]:
 
 FIXED_COLUMNS = [
     "study_id", "trial_id", "number", "state", "value", "feasible", "seed", "attempts", "node",
-    "last_step", "metric_rows", "started_at", "finished_at", "duration_s", "error", "status",
+    "last_step", "penalty_version", "metric_rows", "started_at", "finished_at", "duration_s", "error", "status",
     "final_val_loss", "best_val_loss", "final_train_loss", "min_norm_entropy",
     "min_norm_entropy_ever", "final_rank_ratio", "qk_eig_var", "qk_eig_mean", "plateau_count",
     "plateau_steps", "longest_plateau", "entropy_collapse", "rank_collapse", "trapped",
@@ -187,6 +187,7 @@ def expected_trials(sid: int, ids: dict[int, int]) -> list[dict[str, Any]]:
             "attempts": 1 + n % 2,
             "node": None if running else f"node-{n}",
             "last_step": 100,
+            "penalty_version": CURRENT_PENALTY_VERSION,  # seeded rows take the ORM default
             "metric_rows": len(metric_rows(0)) if n in METRIC_TRIALS else 0,
             "started_at": T0 + timedelta(minutes=n),
             "finished_at": None if running else T0 + timedelta(minutes=n, seconds=30),
@@ -231,6 +232,7 @@ def parse_csv_cell(column: str, text: str) -> Any:
         assert text in ("true", "false"), (column, text)
         return text == "true"
     ints = {"study_id", "trial_id", "number", "seed", "attempts", "last_step", "metric_rows",
+            "penalty_version",
             "plateau_count", "plateau_steps", "longest_plateau", "params.model.n_layers",
             "layer", "head", "step"}  # fmt: skip
     if column in ints:

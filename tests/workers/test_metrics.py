@@ -1,4 +1,4 @@
-"""Tests for workers.metrics against shared/METRICS.md.
+"""Tests for workers.metrics against docs/metrics.md.
 
 Every function is checked against an independent computation: hand-worked numbers, explicit
 eigendecompositions (torch.linalg / numpy), or plain-loop reimplementations written here from

@@ -1,4 +1,4 @@
-"""Tests for workers.regularizers against shared/METRICS.md section 4.
+"""Tests for workers.regularizers against docs/metrics.md section 4 (penalty version 2).
 
 Penalties are compared with explicit computations from the D x D matrix W = w_q^T w_k / sqrt(d_h)
 (built here by a loop) and its eigendecomposition, and their gradients are checked with
@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from workers.regularizers import locater_penalty, model_penalty, spectral_variance_penalty
+from workers.regularizers import (
+    PENALTY_VERSION,
+    locater_penalty,
+    model_penalty,
+    spectral_variance_penalty,
+)
 
 DTYPES = [torch.float32, torch.float64]
 SHAPES = [(1, 1), (1, 4), (3, 5), (8, 4), (4, 16)]  # (d_h, D), including d_h > D
@@ -37,12 +43,10 @@ def _explicit_var(w_q: torch.Tensor, w_k: torch.Tensor) -> float:
 
 
 def _explicit_locater(w_q: torch.Tensor, w_k: torch.Tensor, target: float) -> float:
+    """v2: variance of the eigenvalues of W_sym plus (mean eigenvalue of W - target)^2."""
     w = _explicit_w(w_q, w_k)
-    d = w.shape[0]
-    sym = (w + w.T) / 2
-    fro_sq = sum(sym[i, j].item() ** 2 for i in range(d) for j in range(d))
     mean = torch.linalg.eigvals(w).real.mean().item()  # = tr(W) / D
-    return float(fro_sq / d + (mean - target) ** 2)
+    return _explicit_var(w_q, w_k) + (mean - target) ** 2
 
 
 def _pair(
@@ -64,19 +68,20 @@ def test_penalties_hand_values() -> None:
     w_q = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
     w_k = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
     assert spectral_variance_penalty(w_q, w_k).item() == pytest.approx(1.25, rel=1e-12)
-    # locater with target 0: 1.5 + 0.25 = 1.75; with target 2: 1.5 + 2.25 = 3.75
-    assert locater_penalty(w_q, w_k, 0.0).item() == pytest.approx(1.75, rel=1e-12)
-    assert locater_penalty(w_q, w_k, 2.0).item() == pytest.approx(3.75, rel=1e-12)
+    # locater (v2) with target 0: 1.25 + 0.25 = 1.5; with target 2: 1.25 + 2.25 = 3.5
+    assert locater_penalty(w_q, w_k, 0.0).item() == pytest.approx(1.5, rel=1e-12)
+    assert locater_penalty(w_q, w_k, 2.0).item() == pytest.approx(3.5, rel=1e-12)
+    assert locater_penalty(w_q, w_k, 0.5).item() == pytest.approx(1.25, rel=1e-12)
 
 
 def test_penalties_scale_with_sqrt_d_h() -> None:
     # d_h = 4 copies of the same row: W = 4 * outer / sqrt(4) = 2 * outer([1,0],[1,2])
-    # -> every moment of the d_h = 1 example times 4 (var 5, ||W_sym||^2/D 6, mean 1).
+    # -> var 5 (4 x 1.25) and mean 1 (2 x 0.5).
     w_q = torch.tensor([[1.0, 0.0]] * 4, dtype=torch.float64)
     w_k = torch.tensor([[1.0, 2.0]] * 4, dtype=torch.float64)
     assert spectral_variance_penalty(w_q, w_k).item() == pytest.approx(5.0, rel=1e-12)
-    assert locater_penalty(w_q, w_k, 0.0).item() == pytest.approx(6.0 + 1.0, rel=1e-12)
-    assert locater_penalty(w_q, w_k, 1.0).item() == pytest.approx(6.0, rel=1e-12)
+    assert locater_penalty(w_q, w_k, 0.0).item() == pytest.approx(5.0 + 1.0, rel=1e-12)
+    assert locater_penalty(w_q, w_k, 1.0).item() == pytest.approx(5.0, rel=1e-12)
 
 
 # --------------------------------------------------------------------------- vs explicit
@@ -115,11 +120,12 @@ def test_penalties_batched_heads() -> None:
 
 
 def test_penalties_non_negative_and_zero_cases() -> None:
-    # W = c * I (d_h = D, w_q = w_k = I): var 0; locater with target c gives ||W_sym||^2/D = c^2.
+    # W = c * I (d_h = D, w_q = w_k = I): var 0, mean c; locater is 0 exactly at target c.
     eye = torch.eye(4, dtype=torch.float64)
     c = 1 / math.sqrt(4)
     assert spectral_variance_penalty(eye, eye).item() == pytest.approx(0.0, abs=1e-14)
-    assert locater_penalty(eye, eye, c).item() == pytest.approx(c**2, rel=1e-12)
+    assert locater_penalty(eye, eye, c).item() == pytest.approx(0.0, abs=1e-14)
+    assert locater_penalty(eye, eye, 0.0).item() == pytest.approx(c**2, rel=1e-12)
     # w_q = 0: W = 0, both zero at target 0
     z = torch.zeros(2, 4, dtype=torch.float64)
     w = torch.randn(2, 4, generator=_gen(6), dtype=torch.float64)
@@ -128,6 +134,46 @@ def test_penalties_non_negative_and_zero_cases() -> None:
     for seed in range(5):
         w_q, w_k = _pair((3, 5), torch.float64, seed=seed)
         assert spectral_variance_penalty(w_q, w_k).item() >= -1e-12
+
+
+# --------------------------------------------------------------------------- the minimum (v2)
+
+
+def _numpy_eigen_moments(w_q: np.ndarray, w_k: np.ndarray) -> tuple[float, float]:
+    """(mean, var) of the eigenvalues of the symmetric part of W = w_q^T w_k / sqrt(d_h)."""
+    w = w_q.T @ w_k / np.sqrt(w_q.shape[0])
+    ev = np.linalg.eigvalsh((w + w.T) / 2)
+    return float(ev.mean()), float(ev.var())
+
+
+@pytest.mark.parametrize(("d_h", "d", "target"), [(4, 4, 0.7), (6, 3, -0.4), (8, 4, 1.5)])
+def test_locater_v2_minimum_is_at_target_with_zero_variance(
+    d_h: int, d: int, target: float
+) -> None:
+    """Optimising a small W directly on the v2 penalty lands on mean = target, var ~ 0.
+
+    Checked with numpy's eigenvalues of the symmetric part, independent of the factored
+    formulas; the v1 penalty, optimised the same way, stops at mean = target / 2.
+    d_h >= D here: with d_h < D, W has rank <= d_h, so W_sym has at most 2 d_h non-zero
+    eigenvalues and var = 0 is only reachable at mean = 0.
+    """
+    assert PENALTY_VERSION == 2
+    start = _pair((d_h, d), torch.float64, seed=40 + d_h + d)
+    for version, expected_mean in ((2, target), (1, target / 2)):
+        w_q, w_k = (t.clone().mul_(0.5).requires_grad_(True) for t in start)
+        opt = torch.optim.Adam([w_q, w_k], lr=0.02)
+        for _ in range(3000):
+            opt.zero_grad()
+            loss = locater_penalty(w_q, w_k, target)
+            if version == 1:  # v1 = v2 + mean^2 (||W_sym||_F^2 / D = var + mean^2)
+                loss = loss + ((w_q * w_k).sum() / (math.sqrt(d_h) * d)) ** 2
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+        mean, var = _numpy_eigen_moments(w_q.detach().numpy(), w_k.detach().numpy())
+        assert mean == pytest.approx(expected_mean, abs=2e-3), (version, mean, var)
+        assert var == pytest.approx(0.0, abs=1e-4), (version, mean, var)
+        if version == 2:
+            assert locater_penalty(w_q, w_k, target).item() == pytest.approx(0.0, abs=1e-5)
 
 
 # --------------------------------------------------------------------------- gradients
@@ -172,7 +218,8 @@ def test_penalty_gradients_match_explicit_form() -> None:
     locater_penalty(q1, k1, target).backward()  # type: ignore[no-untyped-call]
     w = q2.T @ k2 / math.sqrt(3)
     sym = (w + w.T) / 2
-    ((sym**2).sum() / 5 + (torch.trace(w) / 5 - target) ** 2).backward()  # type: ignore[no-untyped-call]
+    ev = torch.linalg.eigvalsh(sym)
+    (((ev - ev.mean()) ** 2).mean() + (torch.trace(w) / 5 - target) ** 2).backward()  # type: ignore[no-untyped-call]
     torch.testing.assert_close(q1.grad, q2.grad)
     torch.testing.assert_close(k1.grad, k2.grad)
 
