@@ -1,5 +1,5 @@
 """`qkscope`: serve the API (embedded default: SQLite + a local Ray head), submit studies,
-watch them, read results, cancel, stop, and upgrade the database.
+watch them, read results, rank parameters, cancel, stop, and upgrade the database.
 
 Every command that talks to the API goes through `qkscope.Client`; errors are one line with
 a hint, printed once, and the exit status is 1.
@@ -26,7 +26,7 @@ from qkscope import ApiError, Client, QkscopeError, Trial
 __all__ = ["main"]
 
 # The plots route's kinds and query parameters (service.plots would pull in the server stack).
-PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history")
+PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history", "importance")
 PLOT_PARAMS = ("metric", "trials", "layer", "head", "x", "y", "color", "objective")
 SERVE_STATE = "serve.json"
 
@@ -108,6 +108,27 @@ def _write_plot(qk: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _importance(qk: Client, args: argparse.Namespace) -> int:
+    if args.plot or args.out:
+        out = args.out or f"study-{args.id}-importance.png"
+        qk.plot(args.id, "importance", target=args.target, evaluator=args.evaluator).save(out)
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
+    imp = qk.importance(args.id, target=args.target, evaluator=args.evaluator)
+    if args.json:
+        print(json.dumps(imp.__dict__, indent=2))
+        return 0
+    print(
+        f"study {imp.study_id}: importance for {imp.target} "
+        f"({imp.evaluator}, {imp.n_trials} finished trials)"
+    )
+    width = max((len(k) for k in imp.importances), default=5)
+    for name, v in imp.importances.items():
+        bar = "#" * round(40 * v / max(max(imp.importances.values()), 1e-12))
+        print(f"  {name.ljust(width)}  {v:7.4f}  {bar}")
+    return 0
+
+
 def _client_command(args: argparse.Namespace) -> int:
     with Client() as qk:
         if args.cmd == "submit":
@@ -133,6 +154,8 @@ def _client_command(args: argparse.Namespace) -> int:
                 return 0
             print(results_table(qk, args.id, limit=args.limit, sort=args.sort))
             return 0
+        if args.cmd == "importance":
+            return _importance(qk, args)
         if args.cmd == "export":
             path = qk.export(args.id, args.out, args.format, args.metrics, args.table)
             print(f"wrote {path}", file=sys.stderr)
@@ -322,6 +345,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--y", help="--plot scatter/phase: a summary metric or params.<path>")
     p.add_argument("--color", help="--plot scatter: params.<path>, a metric, or none")
     p.add_argument("--objective", type=int, help="--plot history: objective index")
+    p = sub.add_parser("importance", help="rank a study's parameters by importance")
+    p.add_argument("id", type=int)
+    p.add_argument("--target", help="an objective name or summary metric (default objective 0)")
+    p.add_argument("--evaluator", choices=["fanova", "ped_anova"], default="fanova")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", action="store_true", help="write the importance plot as a PNG")
+    p.add_argument("--out", metavar="FILE", help="with --plot: where")
     p = sub.add_parser("export", help="a study's trials (and metric rows) as CSV or Parquet")
     p.add_argument("id", type=int)
     p.add_argument("--format", choices=["csv", "parquet"], default="csv")

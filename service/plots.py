@@ -22,6 +22,9 @@ Kinds:
 - `pareto`: the Pareto front of COMPLETE trials over all objectives, drawn on two of
   them (`x=`/`y=` name objective metrics; default the first two); for a single
   objective, every COMPLETE trial ranked by its value with the best one marked.
+- `importance`: the search-space parameters ranked by importance for `target=` (an
+  objective or summary metric) with `evaluator=` fanova (default) or ped_anova; empty, with a
+  note saying how many trials it needs, until enough trials have completed.
 - `history`: the objective value (`objective=` index, default 0) of every trial by trial
   number, with the running best of the COMPLETE feasible trials.
 """
@@ -55,7 +58,7 @@ __all__ = [
     "render_png",
 ]
 
-PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history")
+PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history", "importance")
 COLLAPSE_CLASSES = ("healthy", "entropy_collapse", "rank_collapse", "both", "diverged", "trapped")
 # Metric names the trials write (README "Metric names"), by what they are indexed by.
 SCALAR_METRICS = ("train_loss", "val_loss", "grad_norm", "lr", "reg_penalty")
@@ -107,6 +110,8 @@ class PlotOptions:
     color: str | None = None
     objective: int = 0
     feasible_only: bool = True
+    target: str | None = None  # importance: objective name or summary metric
+    evaluator: str = "fanova"  # importance: fanova or ped_anova
 
 
 # ---- fields of a trial ------------------------------------------------------------------------
@@ -523,12 +528,38 @@ def _history_data(session: Session, study: Study, o: PlotOptions) -> dict[str, A
     }
 
 
+def _importance_data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
+    from service.importance import ImportanceError, TooFewTrials, importance
+
+    try:
+        r = importance(session, study, o.target, o.evaluator)
+        bars = [{"param": k, "importance": v} for k, v in r.importances.items()]
+        target, n, note = r.target, r.n_trials, None
+    except TooFewTrials as e:  # like the other kinds while a study runs: an empty plot
+        bars, n, note = [], e.have, e.message
+        target = o.target or study.spec.get("objectives", [{}])[0].get("metric", "value")
+    except ImportanceError as e:
+        raise PlotError(e.field, e.message) from None
+    return {
+        "kind": "importance",
+        "target": target,
+        "evaluator": o.evaluator,
+        "n_trials": n,
+        "bars": bars,
+        "note": note,
+        "x_label": f"importance ({o.evaluator})",
+        "y_label": "",
+        "title": f"study {study.id}: parameter importance for {target} ({n} trials)",
+    }
+
+
 _KINDS = {
     "metric": _metric_data,
     "scatter": _scatter_data,
     "phase": _phase_data,
     "pareto": _pareto_data,
     "history": _history_data,
+    "importance": _importance_data,
 }
 
 
@@ -754,8 +785,15 @@ def _draw_history(ax: Any, data: dict[str, Any]) -> None:
         ax.legend(fontsize="small")
 
 
+def _draw_importance(ax: Any, data: dict[str, Any]) -> None:
+    bars = list(reversed(data["bars"]))  # largest on top
+    ax.barh([b["param"] for b in bars], [b["importance"] for b in bars], color="#1f77b4")
+    for i, b in enumerate(bars):
+        ax.text(b["importance"], i, f" {b['importance']:.3f}", va="center", fontsize="small")
+
+
 def _empty(data: dict[str, Any]) -> bool:
-    return not (data.get("series") or data.get("points"))
+    return not (data.get("series") or data.get("points") or data.get("bars"))
 
 
 def render_png(data: dict[str, Any], width: int = 900, height: int = 600, dpi: int = 100) -> bytes:
@@ -781,6 +819,8 @@ def render_png(data: dict[str, Any], width: int = 900, height: int = 600, dpi: i
             _draw_phase(ax, data)
         elif kind == "pareto":
             _draw_pareto(ax, data)
+        elif kind == "importance":
+            _draw_importance(ax, data)
         else:
             _draw_history(ax, data)
     ax.grid(True, alpha=0.3)
