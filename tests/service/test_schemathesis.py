@@ -120,7 +120,10 @@ def seed(engine: Engine) -> int:
                     study_id=study.id,
                     number=n,
                     state=state,
-                    params={"regularizer.lambda": 0.001 * (n + 1), "model.norm": ("pre", "post")[n % 2]},
+                    params={
+                        "regularizer.lambda": 0.001 * (n + 1),
+                        "model.norm": ("pre", "post")[n % 2],
+                    },
                     value=1.0 + n if done else None,
                     values=[1.0 + n] if done else None,
                     feasible=True if done else None,
