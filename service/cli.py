@@ -240,7 +240,10 @@ def serve(args: argparse.Namespace) -> int:
                 f"starting a local Ray head (dashboard {head.dashboard_url}, token auth on) ...",
                 file=sys.stderr,
             )
-            settings.ray_address = head.start()
+            try:
+                settings.ray_address = head.start()
+            except (RuntimeError, TimeoutError) as e:  # the log it names says why
+                raise CliError(f"could not start a local Ray head: {e}") from None
             print(f"started the local Ray head (pid {head.pid})", file=sys.stderr)
 
     def _terminate(signum: int, _frame: Any) -> None:

@@ -48,5 +48,6 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
 def draw(fig: Any, ax: Any, data: dict[str, Any]) -> None:
     bars = list(reversed(data["bars"]))  # largest on top
     ax.barh([b["param"] for b in bars], [b["importance"] for b in bars], color="#1f77b4")
+    ax.set_xlim(0, max(b["importance"] for b in bars) * 1.15 or 1.0)  # room for the labels
     for i, b in enumerate(bars):
         ax.text(b["importance"], i, f" {b['importance']:.3f}", va="center", fontsize="small")
