@@ -1,8 +1,8 @@
 """`Client`: the qkscope REST API from Python (notebooks, scripts, the `qkscope` CLI).
 
-Light on purpose: httpx, PyYAML (only to read YAML files) and tqdm (only for bars); no
-torch, Ray or server stack. Every call raises `ApiError` for a 4xx/5xx and `ConnectError`
-when the service cannot be reached.
+Light on purpose: httpx, and tqdm only for progress bars (YAML files are sent as they are,
+the server parses them); no torch, Ray or server stack. Every call raises `ApiError` for a
+4xx/5xx and `ConnectError` when the service cannot be reached.
 """
 
 from __future__ import annotations
