@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
 from service import prom
-from service.api import export, plots, studies, trials
+from service.api import export, importance, plots, studies, trials
 from service.api.deps import require_token, token_digest
 from service.api.errors import install_error_handlers
 from service.config import Settings, get_settings
@@ -91,6 +91,7 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
     app.include_router(trials.router, dependencies=auth)
     app.include_router(plots.router, dependencies=auth)
     app.include_router(export.router, dependencies=auth)
+    app.include_router(importance.router, dependencies=auth)
     registry = prom.make_registry(lambda: app.state.sessions)
 
     def openapi() -> dict[str, Any]:

@@ -1,9 +1,14 @@
 """`qkscope`: serve the API (embedded default: SQLite + a local Ray head), submit studies,
-watch them, read results, cancel, and upgrade the database."""
+watch them, read results, rank parameters, cancel, stop, and upgrade the database.
+
+Every command that talks to the API goes through `qkscope.Client`; errors are one line with
+a hint, printed once, and the exit status is 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
@@ -12,66 +17,22 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+from qkscope import ApiError, Client, QkscopeError, Trial
 
 __all__ = ["main"]
 
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
+# The plots route's kinds and query parameters (service.plots would pull in the server stack).
+PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history", "importance")
+PLOT_PARAMS = ("metric", "trials", "layer", "head", "x", "y", "color", "objective")
+SERVE_STATE = "serve.json"
 
 
-def _client(api_url: str | None = None) -> httpx.Client:
-    from service.config import get_settings
-
-    headers = {}
-    if token := os.environ.get("QKSCOPE_API_TOKEN"):
-        headers["Authorization"] = f"Bearer {token}"
-    return httpx.Client(base_url=api_url or get_settings().api_url, headers=headers, timeout=30)
-
-
-def _check(r: httpx.Response) -> Any:
-    if r.status_code >= 400:
-        try:
-            body = r.json()
-            print(f"error {r.status_code}: {body.get('message', body)}", file=sys.stderr)
-            for e in body.get("errors", []):
-                print(f"  {e['field']}: {e['message']}", file=sys.stderr)
-        except ValueError:
-            print(f"error {r.status_code}: {r.text[:500]}", file=sys.stderr)
-        raise SystemExit(1)
-    return r.json()
-
-
-def submit(path: str, api_url: str | None = None) -> dict[str, Any]:
-    text = Path(path).read_bytes()
-    ctype = "application/json" if path.endswith(".json") else "application/yaml"
-    with _client(api_url) as c:
-        study: dict[str, Any] = _check(
-            c.post("/v1/studies", content=text, headers={"content-type": ctype})
-        )
-    return study
-
-
-def watch(study_id: int, api_url: str | None = None, poll_s: float = 1.0) -> dict[str, Any]:
-    """A live progress bar until the study ends; returns the final summary."""
-    from tqdm import tqdm
-
-    with _client(api_url) as c:
-        s = _check(c.get(f"/v1/studies/{study_id}/summary"))
-        with tqdm(
-            total=s["n_trials"], unit="trial", desc=f"study {study_id}", file=sys.stderr
-        ) as bar:
-            while True:
-                s = _check(c.get(f"/v1/studies/{study_id}/summary"))
-                bar.n = s["finished"]
-                st = s["trials_by_state"]
-                bar.set_postfix(status=s["status"], running=st["RUNNING"], best=s["best_value"])
-                bar.refresh()
-                if s["status"] in TERMINAL:
-                    return dict(s)
-                time.sleep(poll_s)
+class CliError(Exception):
+    """A one-line error for the user (no traceback)."""
 
 
 def _fmt(v: Any) -> str:
@@ -82,125 +43,129 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def results_table(
-    study_id: int, api_url: str | None = None, limit: int = 50, sort: str = "value"
-) -> str:
-    with _client(api_url) as c:
-        study = _check(c.get(f"/v1/studies/{study_id}"))
-        page = _check(
-            c.get(f"/v1/studies/{study_id}/trials", params={"sort": sort, "limit": limit})
-        )
-        summary = _check(c.get(f"/v1/studies/{study_id}/summary"))
-    params = list(study["spec"].get("search_space", {}))
-    cols = [
-        "#",
-        "state",
-        "value",
-        "val_loss",
-        "min_H_norm",
-        "rank_ratio",
-        "qk_var",
-        "plateau",
-        "E-coll",
-        "R-coll",
-    ] + params
-    rows = [
-        [
-            t["number"],
-            t["state"],
-            t["value"],
-            t["final_val_loss"],
-            t["min_norm_entropy"],
-            t["final_rank_ratio"],
-            t["qk_eig_var"],
-            t["plateau_steps"],
-            t["entropy_collapse"],
-            t["rank_collapse"],
-        ]
-        + [t["params"].get(p) for p in params]
-        for t in page["items"]
-    ]
-    cells = [[_fmt(v) for v in r] for r in rows]
+# Column title -> Trial attribute, in the order the table shows them.
+COLUMNS = (
+    ("#", "number"),
+    ("state", "state"),
+    ("value", "value"),
+    ("val_loss", "final_val_loss"),
+    ("min_H_norm", "min_norm_entropy"),
+    ("rank_ratio", "final_rank_ratio"),
+    ("qk_var", "qk_eig_var"),
+    ("plateau", "plateau_steps"),
+    ("E-coll", "entropy_collapse"),
+    ("R-coll", "rank_collapse"),
+    ("trapped", "trapped"),
+)
+
+
+def results_table(qk: Client, study_id: int, limit: int = 50, sort: str = "value") -> str:
+    """The study's trials as a text table, with its status line and collapse rates."""
+    study = qk.study(study_id)
+    trials = qk.trials(study_id, sort=sort, limit=limit)
+    summary = qk.summary(study_id)
+    params = list(study.search_space)
+    cols = [c for c, _ in COLUMNS] + params
+
+    def row(t: Trial) -> list[str]:
+        return [_fmt(getattr(t, a)) for _, a in COLUMNS] + [_fmt(t.params.get(p)) for p in params]
+
+    cells = [row(t) for t in trials]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
     out = [
-        f"study {study_id} '{study['name']}': {study['status']}, "
-        f"{summary['finished']}/{study['n_trials']} trials, "
-        f"best value {_fmt(summary['best_value'])}",
+        f"study {study_id} '{study.name}': {study.status}, "
+        f"{summary.finished}/{study.n_trials} trials, best value {_fmt(summary.best_value)}",
         line,
         "-" * len(line),
     ]
     out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
     out.append(
-        f"entropy-collapse rate {_fmt(summary['entropy_collapse_rate'])}, "
-        f"rank-collapse rate {_fmt(summary['rank_collapse_rate'])}"
+        f"entropy-collapse rate {_fmt(summary.entropy_collapse_rate)}, "
+        f"rank-collapse rate {_fmt(summary.rank_collapse_rate)}, "
+        f"trapped rate {_fmt(summary.trapped_rate)}"
     )
     return "\n".join(out)
 
 
-# service.plots.PLOT_KINDS, repeated: importing service.plots would pull in the spec (torch).
-PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history")
-PLOT_PARAMS = ("metric", "trials", "layer", "head", "x", "y", "color", "objective")
+def _progress() -> bool | str:
+    """A bar only when both stdout and stderr are terminals; plain lines on change otherwise."""
+    return True if sys.stdout.isatty() and sys.stderr.isatty() else "lines"
 
 
-def _ok(r: httpx.Response) -> httpx.Response:
-    """`r` if it succeeded; else the API's error printed and exit 1 (like _check)."""
-    if r.status_code >= 400:
-        r.read()
-        _check(r)
-    return r
-
-
-def fetch_plot(
-    study_id: int,
-    kind: str,
-    params: dict[str, Any],
-    out: str | None = None,
-    as_json: bool = False,
-    api_url: str | None = None,
-) -> str:
-    """GET /v1/studies/<id>/plots/<kind>: the PNG written to `out` (default
-    study-<id>-<kind>.png; `-` for stdout), or with `as_json` the plot's data as text."""
-    query = {k: v for k, v in params.items() if v is not None}
-    if as_json:
-        query["format"] = "json"
-    with _client(api_url) as c:
-        r = _ok(c.get(f"/v1/studies/{study_id}/plots/{kind}", params=query))
-    if as_json:
-        return json.dumps(r.json(), indent=2)
-    path = out or f"study-{study_id}-{kind}.png"
+def _write_plot(qk: Client, args: argparse.Namespace) -> int:
+    params = {k: getattr(args, k, None) for k in PLOT_PARAMS}
+    if args.json:
+        print(json.dumps(qk.plot_data(args.id, args.plot, **params), indent=2))
+        return 0
+    plot = qk.plot(args.id, args.plot, **params)
+    path = args.out or f"study-{args.id}-{args.plot}.png"
     if path == "-":
-        sys.stdout.buffer.write(r.content)
-        return path
-    Path(path).write_bytes(r.content)
-    return path
+        sys.stdout.buffer.write(plot.png)
+        return 0
+    plot.save(path)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
 
 
-def export(
-    study_id: int,
-    fmt: str = "csv",
-    metrics: bool = False,
-    table: str | None = None,
-    out: str | None = None,
-    api_url: str | None = None,
-) -> str:
-    """GET /v1/studies/<id>/export streamed into `out` (default: the server's file name)."""
-    params: dict[str, Any] = {"format": fmt, "metrics": str(metrics).lower()}
-    if table:
-        params["table"] = table
-    with (
-        _client(api_url) as c,
-        c.stream("GET", f"/v1/studies/{study_id}/export", params=params) as r,
-    ):
-        _ok(r)
-        disposition = r.headers.get("content-disposition", "")
-        suggested = Path(disposition.partition('filename="')[2].rstrip('"')).name  # no dirs
-        default = suggested or f"study-{study_id}.{fmt}"
-        path = out or default
-        with open(path, "wb") as f:
-            for chunk in r.iter_bytes():
-                f.write(chunk)
-    return path
+def _importance(qk: Client, args: argparse.Namespace) -> int:
+    if args.plot or args.out:
+        out = args.out or f"study-{args.id}-importance.png"
+        qk.plot(args.id, "importance", target=args.target, evaluator=args.evaluator).save(out)
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
+    imp = qk.importance(args.id, target=args.target, evaluator=args.evaluator)
+    if args.json:
+        print(json.dumps(imp.__dict__, indent=2))
+        return 0
+    print(
+        f"study {imp.study_id}: importance for {imp.target} "
+        f"({imp.evaluator}, {imp.n_trials} finished trials)"
+    )
+    width = max((len(k) for k in imp.importances), default=5)
+    for name, v in imp.importances.items():
+        bar = "#" * round(40 * v / max(max(imp.importances.values()), 1e-12))
+        print(f"  {name.ljust(width)}  {v:7.4f}  {bar}")
+    return 0
+
+
+def _client_command(args: argparse.Namespace) -> int:
+    with Client() as qk:
+        if args.cmd == "submit":
+            study = qk.submit(args.file)
+            print(f"study {study.id} {study.status} (Ray job {study.ray_job_id})")
+            if args.watch:
+                qk.wait(study.id, progress=_progress())
+            return 0
+        if args.cmd == "status":
+            s = qk.summary(args.id) if not args.watch else qk.wait(args.id, progress=_progress())
+            print(
+                json.dumps(
+                    {k: v for k, v in s.__dict__.items() if k != "extra"}, default=str, indent=2
+                )
+            )
+            return 0
+        if args.cmd == "results":
+            if args.plot:
+                return _write_plot(qk, args)
+            if args.json:
+                trials = qk.trials(args.id, sort=args.sort, limit=args.limit)
+                print(json.dumps([t.flat() for t in trials], default=str, indent=2))
+                return 0
+            print(results_table(qk, args.id, limit=args.limit, sort=args.sort))
+            return 0
+        if args.cmd == "importance":
+            return _importance(qk, args)
+        if args.cmd == "export":
+            path = qk.export(args.id, args.out, args.format, args.metrics, args.table)
+            print(f"wrote {path}", file=sys.stderr)
+            return 0
+        assert args.cmd == "cancel"
+        print(f"study {args.id}: {qk.cancel(args.id).status}")
+        return 0
+
+
+# --- serve / stop ------------------------------------------------------------------------------
 
 
 def _is_loopback(host: str) -> bool:
@@ -212,6 +177,34 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _serve_record(home: Path, api_url: str) -> Iterator[None]:
+    """`<home>/serve.json` while this `serve` runs, so `qkscope stop` can find it."""
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / SERVE_STATE
+    path.write_text(json.dumps({"pid": os.getpid(), "api_url": api_url}))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+
+
+def _run_study(api_url: str, file: str, exit_when_done: bool) -> int | None:
+    with Client(api_url) as qk:
+        study = qk.submit(file)
+        print(
+            f"submitted study {study.id} ({study.name}), Ray job {study.ray_job_id}",
+            file=sys.stderr,
+        )
+        final = qk.wait(study.id, progress=_progress())
+        print(results_table(qk, study.id))
+    if exit_when_done:
+        return 0 if final.status == "COMPLETED" else 1
+    return None
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -221,11 +214,12 @@ def serve(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     if not _is_loopback(args.host) and not settings.token_list():
-        print(
-            "refusing to serve on a non-loopback address without QKSCOPE_API_TOKENS",
-            file=sys.stderr,
+        raise CliError(
+            "refusing to serve on a non-loopback address without QKSCOPE_API_TOKENS "
+            "(set it, or serve on 127.0.0.1)"
         )
-        return 2
+    if args.run and not Path(args.run).is_file():
+        raise CliError(f"cannot read {args.run}: no such file")
     head = None
     if not settings.ray_address:
         head = LocalRayHead(
@@ -234,53 +228,92 @@ def serve(args: argparse.Namespace) -> int:
             gcs_port=args.ray_port,
             num_cpus=args.num_cpus,
         )
-        print(
-            f"starting a local Ray head (dashboard {head.dashboard_url}, token auth on) ...",
-            file=sys.stderr,
-        )
-        settings.ray_address = head.start()
+        if head.adopt():
+            print(
+                f"reusing the local Ray head an earlier `qkscope serve` left running "
+                f"(pid {head.pid}, dashboard {head.dashboard_url})",
+                file=sys.stderr,
+            )
+            settings.ray_address = head.dashboard_url
+        else:
+            print(
+                f"starting a local Ray head (dashboard {head.dashboard_url}, token auth on) ...",
+                file=sys.stderr,
+            )
+            try:
+                settings.ray_address = head.start()
+            except (RuntimeError, TimeoutError) as e:  # the log it names says why
+                raise CliError(f"could not start a local Ray head: {e}") from None
+            print(f"started the local Ray head (pid {head.pid})", file=sys.stderr)
 
     def _terminate(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, _terminate)  # docker stop, kill: shut Ray down cleanly too
+    signal.signal(signal.SIGTERM, _terminate)  # docker stop, kill, `qkscope stop`
     api_url = f"http://{args.host}:{args.port}"
     server = uvicorn.Server(
         uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        while not server.started:
-            if not thread.is_alive():
-                return 1
-            time.sleep(0.1)
-        print(
-            f"qkscope API on {api_url} (docs {api_url}/docs); Ray dashboard {settings.ray_address}",
-            file=sys.stderr,
-        )
-        if args.run:
-            study = submit(args.run, api_url)
+        with _serve_record(settings.home, api_url):
+            thread.start()
+            while not server.started:
+                if not thread.is_alive():
+                    raise CliError(f"the API did not start on {api_url} (is the port in use?)")
+                time.sleep(0.1)
             print(
-                f"submitted study {study['id']} ({study['name']}), Ray job {study['ray_job_id']}",
+                f"qkscope API on {api_url} (docs {api_url}/docs); "
+                f"Ray dashboard {settings.ray_address}",
                 file=sys.stderr,
             )
-            final = watch(study["id"], api_url)
-            print(results_table(study["id"], api_url))
-            if args.exit_when_done:
-                return 0 if final["status"] == "COMPLETED" else 1
-        thread.join()
-        return 0
+            if args.run:
+                code = _run_study(api_url, args.run, args.exit_when_done)
+                if code is not None:
+                    return code
+            thread.join()
+            return 0
     except KeyboardInterrupt:
         return 0
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        if thread.is_alive():
+            thread.join(timeout=10)
         if head is not None:
             head.stop()
+            print("stopped the local Ray head", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def stop() -> int:
+    """End the `qkscope serve` of this home (QKSCOPE_HOME) and the Ray head it started,
+    including a head left behind by a `serve` that was killed with SIGKILL."""
+    from service.config import get_settings
+    from service.ray_cluster import LocalRayHead, pid_alive
+
+    home = get_settings().home
+    did = []
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(json.loads((home / SERVE_STATE).read_text())["pid"])
+        if pid_alive(pid, "serve"):
+            os.kill(pid, signal.SIGTERM)  # serve stops its own Ray head on the way out
+            deadline = time.monotonic() + 90
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            did.append(f"stopped qkscope serve (pid {pid})")
+        (home / SERVE_STATE).unlink(missing_ok=True)
+    head = LocalRayHead(home)
+    if (state := head.recorded()) is not None:
+        head._adopted_pid = int(state["pid"])
+        head.stop()
+        did.append(f"stopped the local Ray head (pid {state['pid']})")
+    print("; ".join(did) if did else f"nothing of qkscope's is running for home {home}")
+    return 0
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qkscope", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser(
@@ -293,10 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=int, default=None)
     p.add_argument("--run", metavar="FILE", help="submit this study once the service is up")
     p.add_argument("--exit-when-done", action="store_true", help="with --run: stop when it ends")
+    sub.add_parser("stop", help="stop `qkscope serve` and the local Ray head it started")
     p = sub.add_parser("submit", help="submit a study definition (YAML or JSON)")
     p.add_argument("file")
     p.add_argument("--watch", action="store_true")
-    p = sub.add_parser("status", help="a study's progress (live bar with --watch)")
+    p = sub.add_parser("status", help="a study's progress (live with --watch)")
     p.add_argument("id", type=int)
     p.add_argument("--watch", action="store_true")
     p = sub.add_parser("results", help="a study's trials as a table")
@@ -314,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--y", help="--plot scatter/phase: a summary metric or params.<path>")
     p.add_argument("--color", help="--plot scatter: params.<path>, a metric, or none")
     p.add_argument("--objective", type=int, help="--plot history: objective index")
+    p = sub.add_parser("importance", help="rank a study's parameters by importance")
+    p.add_argument("id", type=int)
+    p.add_argument("--target", help="an objective name or summary metric (default objective 0)")
+    p.add_argument("--evaluator", choices=["fanova", "ped_anova"], default="fanova")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", action="store_true", help="write the importance plot as a PNG")
+    p.add_argument("--out", metavar="FILE", help="with --plot: where")
     p = sub.add_parser("export", help="a study's trials (and metric rows) as CSV or Parquet")
     p.add_argument("id", type=int)
     p.add_argument("--format", choices=["csv", "parquet"], default="csv")
@@ -324,66 +365,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("id", type=int)
     p = sub.add_parser("db", help="database maintenance")
     p.add_argument("action", choices=["upgrade"])
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _api_hint(e: ApiError) -> str:
+    if e.status == 401:
+        return " (set QKSCOPE_API_TOKEN to one of the service's QKSCOPE_API_TOKENS)"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    try:
+        if args.cmd == "serve":
+            return serve(args)
+        if args.cmd == "stop":
+            return stop()
+        if args.cmd == "db":
+            from service.config import get_settings
+            from service.db import migrate
 
-    if args.cmd == "serve":
-        return serve(args)
-    if args.cmd == "submit":
-        study = submit(args.file)
-        print(f"study {study['id']} {study['status']} (Ray job {study['ray_job_id']})")
-        if args.watch:
-            watch(study["id"])
-        return 0
-    if args.cmd == "status":
-        if args.watch:
-            final = watch(args.id)
-            print(json.dumps(final, indent=2))
+            migrate.upgrade(get_settings().resolved_database_url())
+            print("database is at the latest schema")
             return 0
-        with _client() as c:
-            print(json.dumps(_check(c.get(f"/v1/studies/{args.id}/summary")), indent=2))
-        return 0
-    if args.cmd == "results":
-        if args.plot:
-            params = {k: getattr(args, k) for k in PLOT_PARAMS}
-            written = fetch_plot(args.id, args.plot, params, args.out, as_json=args.json)
-            if args.json:
-                print(written)
-            elif written != "-":
-                print(f"wrote {written}", file=sys.stderr)
-            return 0
-        if args.json:
-            with _client() as c:
-                print(
-                    json.dumps(
-                        _check(
-                            c.get(
-                                f"/v1/studies/{args.id}/trials",
-                                params={"limit": args.limit, "sort": args.sort},
-                            )
-                        ),
-                        indent=2,
-                    )
-                )
-            return 0
-        print(results_table(args.id, limit=args.limit, sort=args.sort))
-        return 0
-    if args.cmd == "export":
-        path = export(args.id, args.format, args.metrics, args.table, args.out)
-        print(f"wrote {path}", file=sys.stderr)
-        return 0
-    if args.cmd == "cancel":
-        with _client() as c:
-            s = _check(c.post(f"/v1/studies/{args.id}/cancel"))
-        print(f"study {s['id']}: {s['status']}")
-        return 0
-    from service.config import get_settings
-    from service.db import migrate
-
-    url = get_settings().resolved_database_url()
-    migrate.upgrade(url)
-    print("database is at the latest schema")
-    return 0
+        return _client_command(args)
+    except ApiError as e:
+        print(f"qkscope: error {e.status}: {e.message}{_api_hint(e)}", file=sys.stderr)
+    except (QkscopeError, CliError, OSError, TimeoutError) as e:
+        print(f"qkscope: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    return 1
 
 
 if __name__ == "__main__":

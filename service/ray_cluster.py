@@ -1,17 +1,22 @@
 """The one place qkscope talks to Ray's control plane.
 
 `LocalRayHead` starts and stops the embedded single-node cluster used by
-`qkscope serve` (token auth on, dashboard on loopback). `JobLauncher` submits,
-stops and lists study jobs through Ray's Job Submission API. Nothing here is
+`qkscope serve` (token auth on, dashboard on loopback). The head it starts is recorded in
+`<home>/ray-head.json`, so a later `serve` can say it reuses a head left behind (after a
+`kill -9`), and `qkscope stop` can end it: no orphaned Ray processes of qkscope's own.
+`JobLauncher` submits, stops and lists study jobs through Ray's Job Submission API. Nothing here is
 imported on the API's request path until a study is submitted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JobLauncher", "LocalRayHead", "job_id_for", "ray_token"]
+__all__ = ["JobLauncher", "LocalRayHead", "job_id_for", "pid_alive", "ray_token"]
+
+HEAD_STATE = "ray-head.json"
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,24 @@ def ray_token(home: Path) -> str:
     return tok
 
 
+def pid_alive(pid: int, cmd_has: str = "") -> bool:
+    """True when `pid` runs (and, where /proc tells, its command line contains `cmd_has`)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":  # a zombie has exited
+            return False
+        return cmd_has in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill(0)
+
+
 @dataclass
 class LocalRayHead:
     """A single-node Ray cluster in a child process (`ray start --head --block`)."""
@@ -64,10 +89,52 @@ class LocalRayHead:
     dashboard_port: int = 8265
     num_cpus: int | None = None
     _proc: subprocess.Popen[bytes] | None = None
+    _adopted_pid: int | None = None  # a head an earlier `serve` started and left running
 
     @property
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def state_path(self) -> Path:
+        return self.home / HEAD_STATE
+
+    @property
+    def pid(self) -> int | None:
+        """The `ray start --block` process (the leader of the head's process group)."""
+        return self._proc.pid if self._proc is not None else self._adopted_pid
+
+    def recorded(self) -> dict[str, Any] | None:
+        """The head recorded in home if its process still runs; a stale record is removed."""
+        try:
+            state = dict(json.loads(self.state_path.read_text()))
+        except (OSError, ValueError):
+            return None
+        if pid_alive(int(state.get("pid", 0)), "ray"):
+            return state
+        self.state_path.unlink(missing_ok=True)
+        return None
+
+    def adopt(self, timeout_s: float = 30.0) -> bool:
+        """Reuse the head an earlier `serve` from this home left running (after a kill -9):
+        True when it answers on its dashboard; a recorded head that does not is stopped."""
+        state = self.recorded()
+        if state is None:
+            return False
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = ray_token(self.home)
+        self._adopted_pid = int(state["pid"])
+        self.gcs_port = int(state["gcs_port"])
+        self.dashboard_port = int(state["dashboard_port"])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                JobLauncher(self.dashboard_url).list_jobs()
+                return True
+            except Exception:
+                time.sleep(1.0)
+        self.stop()
+        return False
 
     def start(self, timeout_s: float = 120.0) -> str:
         """Start the head with token auth; returns the dashboard URL once jobs are accepted."""
@@ -106,6 +173,16 @@ class LocalRayHead:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        self.state_path.write_text(
+            json.dumps(
+                {
+                    "pid": self._proc.pid,
+                    "gcs_port": self.gcs_port,
+                    "dashboard_port": self.dashboard_port,
+                    "started_at": time.time(),
+                }
+            )
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -119,15 +196,25 @@ class LocalRayHead:
         raise TimeoutError(f"ray head not ready after {timeout_s}s")
 
     def stop(self) -> None:
-        if self._proc is None:
-            return
+        """Stop the head this object started or adopted (SIGTERM: `ray start --block` tears
+        the whole node down; its process group is killed if it has not after 60 s)."""
         proc, self._proc = self._proc, None
-        proc.terminate()  # --block tears the whole node down on SIGTERM
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+        pid, self._adopted_pid = (proc.pid if proc else self._adopted_pid), None
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if (proc.poll() is not None) if proc is not None else not pid_alive(pid):
+                break
+            time.sleep(0.2)
+        # Whatever of the node is left in the head's process group (all of it on timeout).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        if proc is not None:
             proc.wait()
+        self.state_path.unlink(missing_ok=True)
 
 
 class JobLauncher:

@@ -315,7 +315,26 @@ def parse_spec(body: bytes, content_type: str) -> StudySpec:
             loader.dispose()
     if not isinstance(data, dict):
         raise SpecError("body", "a study definition must be a mapping")
-    return StudySpec.model_validate(data)
+    spec = StudySpec.model_validate(data)
+    field = _bool_for_number(data, spec.model_dump(mode="json", by_alias=True))
+    if field is not None:  # pydantic's lax mode reads true as 1
+        raise SpecError(field, "expected a number, got a boolean")
+    return spec
+
+
+def _bool_for_number(data: Any, dumped: Any, path: str = "") -> str | None:
+    """The first field where the input says true/false and the validated spec holds a number."""
+    if isinstance(data, bool):
+        return path if isinstance(dumped, int | float) and not isinstance(dumped, bool) else None
+    pairs: list[tuple[str, Any, Any]] = []
+    if isinstance(data, dict) and isinstance(dumped, dict):
+        pairs = [(str(k), v, dumped[k]) for k, v in data.items() if k in dumped]
+    elif isinstance(data, list) and isinstance(dumped, list) and len(data) == len(dumped):
+        pairs = [(str(i), a, b) for i, (a, b) in enumerate(zip(data, dumped, strict=True))]
+    for key, a, b in pairs:
+        if (hit := _bool_for_number(a, b, f"{path}.{key}" if path else key)) is not None:
+            return hit
+    return None
 
 
 def summary_value(summary: TrialSummary | dict[str, Any], metric: str) -> float | None:

@@ -33,6 +33,7 @@ class PlotKind(enum.StrEnum):
     phase = "phase"
     pareto = "pareto"
     history = "history"
+    importance = "importance"
 
 
 assert tuple(PlotKind) == PLOT_KINDS
@@ -75,6 +76,8 @@ def get_plot(
     y: Field = None,
     color: Field = None,
     objective: Annotated[int, Query(ge=0, le=16)] = 0,
+    target: Annotated[str | None, Query(max_length=64)] = None,
+    evaluator: Literal["fanova", "ped_anova"] = "fanova",
     feasible_only: bool = True,
     format: Literal["png", "json"] | None = None,
     width: Pixels = 900,
@@ -83,8 +86,9 @@ def get_plot(
 ) -> Response:
     """Kinds: `metric` (`metric=`, `trials=3,7`, `layer=`, `head=`), `scatter` (`x=params.<path>`,
     `y=<summary metric>`, `color=`), `phase` (collapse classes over `x`, `y`), `pareto`
-    (`x`/`y` name objectives), `history` (`objective=`). `format=json` (or
-    `Accept: application/json`) returns the data instead of the PNG."""
+    (`x`/`y` name objectives), `history` (`objective=`), `importance` (`target=`,
+    `evaluator=`). `format=json` (or `Accept: application/json`) returns the data instead of
+    the PNG."""
     study = session.get(Study, study_id)
     if study is None:
         raise ApiError(404, "not_found", f"study {study_id} does not exist")
@@ -98,6 +102,8 @@ def get_plot(
         color=color,
         objective=objective,
         feasible_only=feasible_only,
+        target=target,
+        evaluator=evaluator,
     )
     try:
         data = plot_data(session, study, str(kind), options)

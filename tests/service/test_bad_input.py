@@ -890,3 +890,73 @@ def test_string_step_choices_are_client_errors(app_client: TestClient, engine: E
     assert r.status_code == 201, r.text
     with engine.begin() as conn:  # keep the table empty for the tests after this one
         conn.execute(text("DELETE FROM qk_study"))
+
+
+# --- booleans for numbers ---------------------------------------------------------------------
+
+# Every number of the definition, all spelled out (budget.n_trials, base.steps, the search
+# space's bounds, constraint values, ...): pydantic's lax mode would read true as 1.
+NUMBER_LEAVES = [
+    p for p, v in _walk(FULL) if isinstance(v, int | float) and not isinstance(v, bool)
+]
+
+
+def test_a_boolean_for_any_number_is_a_422_naming_it(
+    app_client: TestClient, engine: Engine
+) -> None:
+    assert ("budget", "n_trials") in NUMBER_LEAVES and len(NUMBER_LEAVES) > 20
+    failures = []
+    for p in NUMBER_LEAVES:
+        for flag in (True, False):
+            out = check_rejected(app_client, _set(FULL, p, flag), JSON, _dotted(p))
+            # A bound read as 1.0/0.0 can first break the parameter's low < high rule,
+            # which names the parameter (search_space.<path>).
+            named = names_field(out, _dotted(p)) or (
+                p[0] == "search_space" and names_field(out, _dotted(p[:2]))
+            )
+            if out["status"] != 422 or not named:
+                failures.append((_dotted(p), flag, out["status"], out["message"][:200]))
+    assert not failures, "\n".join(map(str, failures))
+    out = check_rejected(app_client, b"name: t\nbudget: {n_trials: true}\n", YAML)
+    assert out["status"] == 422 and [e["field"] for e in out["errors"]] == ["budget.n_trials"]
+    assert n_studies(engine) == 0
+
+
+# --- a large body sent at once ----------------------------------------------------------------
+
+
+def test_a_6mb_body_sent_without_expect_continue_gets_the_413_json(
+    bad_db: str, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """urllib sends the whole body before reading (no `Expect: 100-continue`): it must read
+    the 413 JSON, not a connection reset. The keep-alive connection also still works."""
+    import urllib.error
+    import urllib.request
+
+    from tests.service.conftest import live_api
+
+    settings = Settings(database_url=bad_db, ray_address="", api_tokens="", home=tmp_path)
+    body = json.dumps({**VALID, "description": "x" * (6 * 1024 * 1024)}).encode()
+    with live_api(settings, monkeypatch) as url:
+        req = urllib.request.Request(
+            f"{url}/v1/studies", data=body, headers={"Content-Type": JSON}, method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 413
+        out = json.loads(e.value.read())
+        assert (
+            out["error"] == "payload_too_large" and str(settings.max_body_bytes) in out["message"]
+        )
+        # The same size in chunks (no Content-Length) is refused the same way.
+        chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))
+        req = urllib.request.Request(
+            f"{url}/v1/studies",
+            data=chunks,
+            headers={"Content-Type": JSON, "Transfer-Encoding": "chunked"},
+            method="POST",
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 413
+    assert n_studies(engine) == 0

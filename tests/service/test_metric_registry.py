@@ -17,7 +17,7 @@ from service.api.schemas import TrialOut
 from service.db.models import SUMMARY_COLUMNS, Metric, Study, Trial
 from service.db.queries import SORTABLE
 from service.export import trial_columns
-from service.plots import FLAG_FIELDS, KNOWN_METRICS, NUMERIC_FIELDS
+from service.plots.common import FLAG_FIELDS, KNOWN_METRICS, NUMERIC_FIELDS
 from service.pruning import IntermediateTracker, Point, load_tracker
 from service.spec import StudySpec
 from tests.service.conftest import create_via_api

@@ -1,0 +1,261 @@
+"""Typed results of the client: plain dataclasses built from the API's JSON.
+
+Fields the service adds later land in `extra`, so an older client keeps working against a
+newer service. Lists of results (`TrialList`, `MetricSeries`, `StudyList`) are lists with a
+`to_pandas()` that needs the optional `pandas` extra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "Importance",
+    "MetricPoint",
+    "MetricSeries",
+    "Plot",
+    "Study",
+    "StudyList",
+    "Summary",
+    "Trial",
+    "TrialList",
+]
+
+D = TypeVar("D")
+
+
+def _time(v: Any) -> datetime | None:
+    return None if v is None else datetime.fromisoformat(str(v))
+
+
+def _build(cls: type[D], data: dict[str, Any], times: tuple[str, ...] = ()) -> D:
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    known = {k: (_time(v) if k in times else v) for k, v in data.items() if k in names}
+    if "extra" in names:
+        known["extra"] = {k: v for k, v in data.items() if k not in names}
+    return cls(**known)
+
+
+def _pandas() -> Any:
+    try:
+        import pandas
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ImportError("to_pandas() needs pandas: pip install 'qkscope[pandas]'") from None
+    return pandas
+
+
+@dataclass(frozen=True)
+class Study:
+    """A study as stored: its definition (`spec`), status and Ray job."""
+
+    id: int
+    name: str
+    status: str
+    n_trials: int
+    ray_job_id: str | None = None
+    job_attempts: int = 0
+    optuna_study_name: str = ""
+    error: str | None = None
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    spec: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Study:
+        return _build(cls, data, ("created_at", "started_at", "finished_at"))
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("COMPLETED", "FAILED", "CANCELLED")
+
+    @property
+    def search_space(self) -> dict[str, Any]:
+        return dict(self.spec.get("search_space", {}))
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One trial: parameters, objective value(s) and the attention-health summary numbers."""
+
+    id: int
+    study_id: int
+    number: int
+    state: str
+    params: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    attempts: int = 1
+    node: str | None = None
+    value: float | None = None
+    values: list[float | None] | None = None
+    feasible: bool | None = None
+    last_step: int = 0
+    final_val_loss: float | None = None
+    min_norm_entropy: float | None = None
+    final_rank_ratio: float | None = None
+    qk_eig_var: float | None = None
+    plateau_steps: int | None = None
+    entropy_collapse: bool | None = None
+    rank_collapse: bool | None = None
+    trapped: bool | None = None
+    error: str | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    duration_s: float | None = None
+    summary: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Trial:
+        return _build(cls, data, ("started_at", "finished_at"))
+
+    def flat(self) -> dict[str, Any]:
+        """One flat row: the columns, `params.<path>` per parameter, then `extra`."""
+        row = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("params", "summary", "extra")
+        }
+        row.update({f"params.{k}": v for k, v in self.params.items()})
+        row.update(self.extra)
+        return row
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A study's progress: counts by state, collapse rates, best value and ETA."""
+
+    study_id: int
+    status: str
+    n_trials: int
+    trials_by_state: dict[str, int]
+    finished: int
+    progress: float
+    entropy_collapse_rate: float | None = None
+    rank_collapse_rate: float | None = None
+    trapped_rate: float | None = None
+    best_value: float | None = None
+    best_trial_id: int | None = None
+    best_params: dict[str, Any] | None = None
+    eta_s: float | None = None
+    updated_at: datetime | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Summary:
+        return _build(cls, data, ("updated_at",))
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("COMPLETED", "FAILED", "CANCELLED")
+
+    @property
+    def running(self) -> int:
+        return int(self.trials_by_state.get("RUNNING", 0))
+
+
+@dataclass(frozen=True)
+class MetricPoint:
+    """One stored number: metric `name` at `step` (`layer`/`head` None where not per-layer)."""
+
+    name: str
+    step: int
+    value: float | None
+    layer: int | None = None
+    head: int | None = None
+
+
+@dataclass(frozen=True)
+class Importance:
+    """Parameter importances of one study for one `target` (objective or summary metric),
+    largest first; they sum to 1 (fANOVA) or are PED-ANOVA's unnormalised scores."""
+
+    study_id: int
+    target: str
+    evaluator: str
+    n_trials: int
+    importances: dict[str, float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Importance:
+        return _build(cls, data)
+
+    def to_pandas(self) -> pd.DataFrame:
+        return _pandas().DataFrame(
+            {"param": list(self.importances), "importance": list(self.importances.values())}
+        )
+
+
+class StudyList(list[Study]):
+    """Studies of one page; `total` counts every match."""
+
+    def __init__(self, items: list[Study], total: int) -> None:
+        super().__init__(items)
+        self.total = total
+
+    def to_pandas(self) -> pd.DataFrame:
+        rows = [{k: v for k, v in dataclasses.asdict(s).items() if k != "extra"} for s in self]
+        return _pandas().DataFrame(rows)
+
+
+class TrialList(list[Trial]):
+    """Trials (one page or all of them); `total` counts every match on the server."""
+
+    def __init__(self, items: list[Trial], total: int | None = None) -> None:
+        super().__init__(items)
+        self.total = len(items) if total is None else total
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per trial, `params.<path>` columns, indexed by trial number."""
+        df = _pandas().DataFrame([t.flat() for t in self])
+        return df.set_index("number") if len(df) else df
+
+
+class MetricSeries(list[MetricPoint]):
+    """Metric rows of one trial, ordered by (name, layer, head, step)."""
+
+    def to_pandas(self) -> pd.DataFrame:
+        return _pandas().DataFrame(
+            [dataclasses.asdict(p) for p in self],
+            columns=["name", "layer", "head", "step", "value"],
+        )
+
+    def values_of(
+        self, name: str, layer: int | None = None, head: int | None = None
+    ) -> list[tuple[int, float | None]]:
+        """(step, value) pairs of one series."""
+        return [
+            (p.step, p.value)
+            for p in self
+            if p.name == name and p.layer == layer and p.head == head
+        ]
+
+
+@dataclass(frozen=True)
+class Plot:
+    """A PNG from the plots route; Jupyter shows it inline (`_repr_png_`)."""
+
+    png: bytes
+    study_id: int
+    kind: str
+
+    def _repr_png_(self) -> bytes:
+        return self.png
+
+    def save(self, path: str) -> str:
+        with open(path, "wb") as f:
+            f.write(self.png)
+        return path
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) from the PNG header."""
+        return int.from_bytes(self.png[16:20], "big"), int.from_bytes(self.png[20:24], "big")

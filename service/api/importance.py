@@ -1,0 +1,71 @@
+"""/v1/studies/{id}/importance: which search-space parameters drive an objective or any stored
+summary metric (fANOVA by default, PED-ANOVA selectable); see service.importance."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Path, Query
+from pydantic import BaseModel
+
+from service.api.deps import SessionDep
+from service.api.errors import ApiError
+from service.api.schemas import ErrorBody, FieldError
+from service.db.models import Study
+from service.importance import ImportanceError, TooFewTrials, importance
+
+__all__ = ["ImportanceOut", "router"]
+
+router = APIRouter(prefix="/v1", tags=["studies"])
+
+MAX_ID = 2**31 - 1  # PostgreSQL integer
+StudyId = Annotated[int, Path(ge=1, le=MAX_ID)]
+
+
+class ImportanceOut(BaseModel):
+    study_id: int
+    target: str
+    evaluator: str
+    direction: str
+    n_trials: int
+    importances: dict[str, float]  # parameter -> importance, largest first
+
+
+@router.get(
+    "/studies/{study_id}/importance",
+    response_model=ImportanceOut,
+    responses={
+        404: {"model": ErrorBody, "description": "no such study"},
+        409: {
+            "model": ErrorBody,
+            "description": "too_few_trials: the message says how many COMPLETE trials it needs",
+        },
+        422: {"model": ErrorBody, "description": "an unknown target, named in errors[].field"},
+    },
+)
+def get_importance(
+    session: SessionDep,
+    study_id: StudyId,
+    target: Annotated[str | None, Query(max_length=64)] = None,
+    evaluator: Literal["fanova", "ped_anova"] = "fanova",
+    direction: Literal["minimize", "maximize"] | None = None,
+) -> ImportanceOut:
+    """Rank the search-space parameters by importance for `target`: `value`, an objective's
+    metric, or any summary metric (`final_val_loss`, `min_norm_entropy`, `final_rank_ratio`,
+    `qk_eig_var`, ...); default the first objective. Uses the study's COMPLETE trials, so it
+    works while the study runs. `direction` (PED-ANOVA only: which end is "good") defaults to
+    the objective's, else minimize."""
+    study = session.get(Study, study_id)
+    if study is None:
+        raise ApiError(404, "not_found", f"study {study_id} does not exist")
+    try:
+        result = importance(session, study, target, evaluator, direction)
+    except TooFewTrials as e:
+        raise ApiError(
+            409, "too_few_trials", e.message, [FieldError(field=e.field, message=e.message)]
+        ) from None
+    except ImportanceError as e:
+        raise ApiError(
+            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
+        ) from None
+    return ImportanceOut(**result.as_json(study_id))
