@@ -105,6 +105,7 @@ class Trial:
     entropy_collapse: bool | None = None
     rank_collapse: bool | None = None
     trapped: bool | None = None
+    penalty_version: int | None = None
     error: str | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None

@@ -56,6 +56,7 @@ COLUMNS = (
     ("E-coll", "entropy_collapse"),
     ("R-coll", "rank_collapse"),
     ("trapped", "trapped"),
+    ("pen_v", "penalty_version"),
 )
 
 

@@ -79,6 +79,7 @@ def seeded(qk: Client, engine: Engine) -> dict[str, Any]:
                     final_val_loss=v,
                     min_norm_entropy=mne,
                     trapped=trapped,
+                    penalty_version=1 if n == 0 else 2,
                 )
             )
         s.commit()
@@ -173,6 +174,7 @@ def test_trials_filters_sort_and_paging(
     t1 = every[1]
     assert t1.params == {"regularizer.lambda": 0.002, "model.norm": "post"}
     assert t1.trapped is True and t1.min_norm_entropy == 0.05 and t1.started_at is not None
+    assert [t.penalty_version for t in every[:2]] == [1, 2]  # v1 rows keep their label
     done = qk.trials(sid, state="COMPLETE", sort="-value")
     assert [t.number for t in done] == [0, 1, 6, 4]
     two = qk.trials(sid, state=["PRUNED", "DIVERGED"])

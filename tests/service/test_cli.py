@@ -97,6 +97,7 @@ def test_serve_runs_a_study_and_prints_results(tmp_path: Path) -> None:
     assert "study 1 'quickstart': COMPLETED, 2/2 trials" in out
     header = next(line for line in out.splitlines() if line.startswith("#"))
     assert "min_H_norm" in header and "trapped" in header and "regularizer.lambda" in header
+    assert "pen_v" in header
     rows = [
         line
         for line in out.splitlines()
