@@ -10,7 +10,7 @@ import optuna
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from service.db.models import Metric, Study, Trial
+from service.db.models import CURRENT_PENALTY_VERSION, Metric, Study, Trial
 from service.db.session import make_engine, make_sessionmaker, normalize_url
 
 ATTN = ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var")
@@ -59,6 +59,8 @@ def check_finished_study(db_url: str, study_id: int) -> list[Trial]:
             assert [t.number for t in trials] == list(range(n)), "each planned trial exactly once"
             for t in trials:
                 assert t.state in ("COMPLETE", "PRUNED", "FAILED", "DIVERGED"), (t.number, t.state)
+                # every trial says which penalty definitions trained it (docs/metrics.md 4)
+                assert t.penalty_version == CURRENT_PENALTY_VERSION, (t.number, t.penalty_version)
                 if t.state == "FAILED":
                     assert t.error, f"trial {t.number} failed without a reason"
                 else:
