@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from workers.trial import TrialConfig, TrialSummary
+from workers.config import TrialConfig, TrialSummary
 
 __all__ = [
     "SUMMARY_METRICS",

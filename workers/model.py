@@ -15,44 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
+from workers.config import ModelConfig
+
 __all__ = ["GPT", "ModelConfig", "ProbeOutput", "SigmaReparamLinear"]
-
-
-class ModelConfig(BaseModel):
-    """Architecture of one trial's model (vocabulary and context come from the task)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    n_layers: int = Field(2, ge=1, le=64)
-    n_heads: int = Field(2, ge=1, le=64)
-    d_model: int = Field(64, ge=4, le=8192)
-    d_ff: int = Field(256, ge=4, le=32768)
-    norm: Literal["pre", "post", "none"] = "pre"
-    skip: bool = True  # residual connections around attention (and the MLP)
-    mlp: bool = True
-    qk_norm: Literal["none", "layernorm", "sigma_reparam"] = "none"
-    qk_init_std: float = Field(0.02, gt=0.0, le=10.0)
-    attn_temperature: float = Field(1.0, gt=0.0, le=100.0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelConfig:
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
-            )
-        return self
-
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_heads
 
 
 @dataclass

@@ -27,16 +27,24 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from workers import metrics as M
-from workers.model import GPT, ModelConfig
-from workers.regularizers import RegularizerKind, model_penalty
-from workers.tasks import Task, TaskConfig, build_task
+from workers.config import (
+    CheckpointConfig,
+    MetricPoint,
+    OptimConfig,
+    RegularizerConfig,
+    TrialConfig,
+    TrialStatus,
+    TrialSummary,
+)
+from workers.model import GPT
+from workers.regularizers import model_penalty
+from workers.tasks import Task, build_task
 
 __all__ = [
     "CheckpointConfig",
@@ -51,78 +59,6 @@ __all__ = [
 ]
 
 
-class RegularizerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
-
-    kind: RegularizerKind = "none"
-    lam: float = Field(0.0, ge=0.0, le=1e6, alias="lambda")
-    target_mean: float = Field(0.0, ge=-1e3, le=1e3)
-
-
-class OptimConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-3, gt=0.0, le=10.0)
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.95, ge=0.0, lt=1.0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine"] = "cosine"
-    grad_clip: float | None = Field(1.0, gt=0.0)
-
-
-class CheckpointConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    dir: str | None = None  # where checkpoints go; None = no checkpoints
-    every_evals: int = Field(1, ge=1)
-
-
-class TrialConfig(BaseModel):
-    """Everything that determines one trial; same config + seed on CPU = same loss curve."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    regularizer: RegularizerConfig = Field(default_factory=RegularizerConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    batch_size: int = Field(32, ge=1, le=4096)
-    steps: int = Field(300, ge=1, le=10_000_000)
-    eval_every: int = Field(50, ge=1)
-    eval_at_init: bool = False  # also evaluate and report the untrained model, as step 0
-    eval_batches: int = Field(4, ge=1, le=1000)
-    probe_batch_size: int = Field(8, ge=1, le=256)
-    seed: int = Field(0, ge=0, lt=2**31)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    entropy_collapse_threshold: float = Field(0.1, ge=0.0, le=1.0)
-    rank_collapse_threshold: float = Field(0.05, ge=0.0, le=1.0)
-    plateau_window: int = Field(3, ge=1)
-    plateau_rel_tol: float = Field(0.01, ge=0.0, le=1.0)
-    trapped_rel_gap: float = Field(0.1, ge=0.0)
-
-    @model_validator(mode="after")
-    def _warmup_fits(self) -> TrialConfig:
-        if self.optim.warmup_steps > self.steps:
-            raise ValueError(
-                f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds steps ({self.steps})"
-            )
-        return self
-
-
-@dataclass(frozen=True)
-class MetricPoint:
-    """One measured number: layer/head are None where they do not apply."""
-
-    name: str
-    value: float
-    layer: int | None = None
-    head: int | None = None
-
-
 class Reporter(Protocol):
     """Receives each evaluation; returning True asks the trial to stop (pruning)."""
 
@@ -132,42 +68,6 @@ class Reporter(Protocol):
 class NullReporter:
     def report(self, step: int, metrics: list[MetricPoint]) -> bool:
         return False
-
-
-TrialStatus = Literal["completed", "pruned", "diverged"]
-
-
-class TrialSummary(BaseModel):
-    """What one trial ended with. Non-finite numbers are stored as None."""
-
-    status: TrialStatus
-    steps_done: int
-    final_train_loss: float | None = None
-    final_val_loss: float | None = None
-    best_val_loss: float | None = None
-    min_norm_entropy: float | None = None  # at the final evaluation, over layers and heads
-    min_norm_entropy_ever: float | None = None  # over every evaluation
-    final_rank_ratio: float | None = None  # last layer, final evaluation, batch mean
-    qk_eig_var: float | None = None  # mean over layers and heads, final evaluation
-    qk_eig_mean: float | None = None
-    entropy_collapse: bool = False
-    rank_collapse: bool = False
-    plateaus: list[tuple[int, int]] = Field(default_factory=list)
-    plateau_count: int = 0
-    plateau_steps: int = 0
-    longest_plateau: int = 0
-    trapped: bool = False
-    diverged_at_step: int | None = None
-    eval_steps: list[int] = Field(default_factory=list)  # training evaluations (step >= 1)
-    val_losses: list[float | None] = Field(default_factory=list)
-    # The untrained model (step 0), with `eval_at_init` only; same reductions as the final ones.
-    init_val_loss: float | None = None
-    init_min_norm_entropy: float | None = None
-    init_rank_ratio: float | None = None
-    init_qk_eig_var: float | None = None
-    wall_time_s: float = 0.0
-    tokens_per_s: float = 0.0
-    device: str = "cpu"
 
 
 def _finite(x: float) -> float | None:
