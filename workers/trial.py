@@ -46,6 +46,9 @@ from workers.model import GPT
 from workers.regularizers import model_penalty
 from workers.tasks import Task, build_task
 
+NAN_CHECK_EVERY = 64
+"""Steps between host reads of the on-device divergence flag (also read at every evaluation)."""
+
 __all__ = [
     "CheckpointConfig",
     "MetricPoint",
