@@ -184,6 +184,9 @@ class TrialConfig(BaseModel):
     plateau_window: int = Field(3, ge=1)
     plateau_rel_tol: float = Field(0.01, ge=0.0, le=1.0)
     trapped_rel_gap: float = Field(0.1, ge=0.0)
+    # torch.compile the training forward (not the probes). Off by default: at the small
+    # sizes qkscope studies, compilation costs more than it saves (bench/README.md).
+    compile: bool = False
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrialConfig:

@@ -379,6 +379,9 @@ def run_trial_group(
         k != "none" and c.regularizer.lam != 0.0 for k, c in zip(kinds, configs, strict=True)
     ]
     factor = _lr_lambda(base)
+    forward: Callable[[Tensor, Tensor], Tensor] = (
+        torch.compile(fused.forward) if base.compile else fused.forward  # type: ignore[assignment]
+    )
     t0 = time.perf_counter()
 
     # eval_at_init, per member, exactly as run_trial does it
@@ -427,7 +430,7 @@ def run_trial_group(
             x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with ctx:
-            loss = fused.forward(x, y)
+            loss = forward(x, y)
             pen = fused.penalties(kinds, targets) if any(use_penalty) else torch.zeros_like(loss)
         per_member = loss.float() + lams * pen.float()
         bad = active & ~(torch.isfinite(loss) & torch.isfinite(per_member))

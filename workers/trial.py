@@ -107,11 +107,20 @@ def _lr_lambda(config: TrialConfig) -> Callable[[int], float]:
 
 
 def _optimizer(config: TrialConfig, model: GPT) -> torch.optim.Optimizer:
+    """AdamW (fused kernel on CUDA, foreach on CPU) or SGD, from the trial's settings."""
     o = config.optim
+    cuda = next(model.parameters()).device.type == "cuda"
     if o.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=o.lr, weight_decay=o.weight_decay, foreach=not cuda or None
+        )
     return torch.optim.AdamW(
-        model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2)
+        model.parameters(),
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=(o.beta1, o.beta2),
+        fused=True if cuda else None,
+        foreach=None if cuda else True,
     )
 
 
@@ -375,30 +384,48 @@ def run_trial(
                 save_checkpoint()
             if stop:
                 status = "pruned"
+    # The step loop never waits for the device: losses and the gradient norm stay tensors
+    # until an evaluation needs them, and a non-finite loss is folded into `first_bad` (the
+    # first bad step, 0 = none) on the device, read every NAN_CHECK_EVERY steps and before
+    # each evaluation. The trial then ends as diverged at exactly that step, as if it had
+    # stopped there (steps trained past it on NaN are discarded: nothing is evaluated,
+    # reported or checkpointed after a bad step).
+    train_forward: Callable[..., tuple[Tensor, Tensor | None]] = (
+        torch.compile(model) if config.compile else model  # type: ignore[assignment]
+    )
+    pin = device.type == "cuda"
+    first_bad = torch.zeros((), dtype=torch.int64, device=device)
+    clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
     while status == "completed" and step < config.steps:
         x, y = task.train_batch(config.batch_size, data_gen)
+        if pin:  # pinned + async copy: the next batch is drawn while the device computes
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with ctx:
-            _, loss = model(x, y)
+            _, loss = train_forward(x, y)
             assert loss is not None
             penalty = _penalty(model, reg) if reg.kind != "none" and reg.lam != 0.0 else None
         total = loss if penalty is None else loss + reg.lam * penalty.float()
-        train_loss = float(loss.detach())
-        if not math.isfinite(train_loss) or not math.isfinite(float(total.detach())):
-            status, diverged_at = "diverged", step + 1
-            break
+        bad = ~(torch.isfinite(loss.detach()) & torch.isfinite(total.detach()))
+        first_bad = torch.where(bad & (first_bad == 0), step + 1, first_bad)
         optimizer.zero_grad(set_to_none=True)
         total.backward()  # type: ignore[no-untyped-call]
-        clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        grad_norm_t = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         scheduler.step()
         step += 1
         if progress is not None:
             progress(step)
-        if step % config.eval_every != 0 and step != config.steps:
+        at_eval = step % config.eval_every == 0 or step == config.steps
+        if at_eval or step % NAN_CHECK_EVERY == 0:
+            bad_step = int(first_bad)
+            if bad_step:
+                status, diverged_at, step = "diverged", bad_step, bad_step - 1
+                break
+        if not at_eval:
             continue
 
+        train_loss, grad_norm = float(loss.detach()), float(grad_norm_t)
         val = _val_loss(model, val_batches, ctx, device)
         points = [
             MetricPoint("train_loss", train_loss),
