@@ -168,7 +168,8 @@ class _BatchedOptimizer:
         lr = self.lr * factor
         if self.name == "sgd":
             for p in self.params:
-                assert p.grad is not None
+                if p.grad is None:  # unused by this architecture: skipped, as torch does
+                    continue
                 g = p.grad + _bcast(self.wd, p) * p
                 p.copy_(torch.where(_bcast(active, p), p - _bcast(lr, p) * g, p))
             return
@@ -177,7 +178,8 @@ class _BatchedOptimizer:
         step_size = lr / (1 - self.beta1**step)
         bc2_sqrt = torch.sqrt(1 - self.beta2**step)
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
-            assert p.grad is not None
+            if p.grad is None:  # unused by this architecture: skipped, as torch does
+                continue
             g, a = p.grad, _bcast(active, p)
             b1, b2 = _bcast(self.beta1, p), _bcast(self.beta2, p)
             new_p = p * (1 - _bcast(lr * self.wd, p))
@@ -268,6 +270,8 @@ def _save(mem: _Member, m: int, fused: FusedGPT, opt: _BatchedOptimizer) -> None
     fused.write_member(m, mem.model)
     if opt.name == "adamw":
         for i, p in enumerate(mem.model.parameters()):
+            if opt.params[i].grad is None:  # torch keeps no state for a param never updated
+                continue
             mem.optimizer.state[p] = {
                 "step": opt.step_count[m].detach().cpu().clone(),
                 "exp_avg": opt.exp_avg[i][m].detach().clone(),

@@ -119,9 +119,14 @@ class FusedGPT:
         y = y.view(m, b, h, t, dh).transpose(2, 3).reshape(m, b, t, d)
         return self._linear(y, self.params[f"{p}.out_proj.weight"])
 
-    def _residual(self, x: Tensor, out: Tensor, ln: str) -> Tensor:
-        y = x + out if self.cfg.skip else out
+    def _residual(self, x: Tensor, out: Tensor, ln: str, skip: bool) -> Tensor:
+        y = x + out if skip else out
         return self._layer_norm(y, ln) if self.cfg.norm == "post" else y
+
+    @property
+    def _mlp_skip(self) -> bool:
+        """The MLP's own residual: `ModelConfig.mlp_residual` where it exists, else `skip`."""
+        return bool(getattr(self.cfg, "mlp_residual", self.cfg.skip))
 
     def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Per-member mean cross-entropy (M,) of (M, B, T) inputs and targets (-100 ignored)."""
@@ -134,11 +139,12 @@ class FusedGPT:
         for i in range(cfg.n_layers):
             blk = f"blocks.{i}"
             a_in = self._layer_norm(x, f"{blk}.ln1") if pre else x
-            x = self._residual(x, self._attention(a_in, i), f"{blk}.ln1")
+            x = self._residual(x, self._attention(a_in, i), f"{blk}.ln1", cfg.skip)
             if cfg.mlp:
                 m_in = self._layer_norm(x, f"{blk}.ln2") if pre else x
                 hid = F.gelu(self._linear(m_in, p[f"{blk}.mlp.fc.weight"]))
-                x = self._residual(x, self._linear(hid, p[f"{blk}.mlp.proj.weight"]), f"{blk}.ln2")
+                out = self._linear(hid, p[f"{blk}.mlp.proj.weight"])
+                x = self._residual(x, out, f"{blk}.ln2", self._mlp_skip)
         if pre:
             x = self._layer_norm(x, "ln_f")
         logits = self._linear(x, tok)  # (M, B, T, V), head tied to the token embedding

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 
 from tests.workers.test_trial import Recorder, tiny
@@ -182,8 +181,17 @@ def test_configs_of_different_shapes_are_refused() -> None:
         run_trial_group([tiny(), tiny(model={"d_model": 64})])
 
 
-def test_qk_layernorm_and_post_norm_members_match_alone() -> None:
-    configs = [tiny(seed=s, model={"qk_norm": "layernorm", "norm": "post"}) for s in range(2)]
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"qk_norm": "layernorm", "norm": "post"},
+        {"norm": "none", "skip": False},
+        {"mlp": False, "n_layers": 3},
+    ],
+    ids=["qk-layernorm-post-norm", "no-norm-no-skip", "no-mlp-3-layers"],
+)
+def test_architecture_variants_match_alone(model: dict[str, Any]) -> None:
+    configs = [tiny(seed=s, model={**model, "qk_init_std": 0.05}) for s in range(2)]
     alone = [Recorder(), Recorder()]
     for c, r in zip(configs, alone, strict=True):
         run_trial(c, r)
@@ -191,4 +199,3 @@ def test_qk_layernorm_and_post_norm_members_match_alone() -> None:
     run_trial_group(configs, recs)
     for a, f in zip(alone, recs, strict=True):
         _assert_same_evaluations(a, f)
-    assert torch.get_default_dtype() == torch.float32
