@@ -23,8 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from workers.config import TrialConfig, TrialSummary
 from workers.metric_names import INTERMEDIATE_SUMMARIES, OBJECTIVE_SUMMARIES
-from workers.trial import TrialConfig, TrialSummary
 
 __all__ = [
     "SUMMARY_METRICS",

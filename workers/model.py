@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
+
+from workers.config import BLOCK_PRESETS, BlockPreset, ModelConfig
 
 __all__ = [
     "BLOCK_PRESETS",
@@ -31,63 +31,6 @@ __all__ = [
     "ProbeOutput",
     "SigmaReparamLinear",
 ]
-
-BlockPreset = Literal["custom", "pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"]
-# (skip, mlp, mlp_skip) of each named variant of Dong et al. 2021. "attn_mlp" is attention + MLP
-# with no residual anywhere; "attn_mlp_skip" is the variant of the authors' code
-# (twistedcubic/attention-rank-collapse, walking_casual_transformers.ipynb): the residual around
-# attention is removed but the MLP sublayer keeps its own.
-BLOCK_PRESETS: dict[str, tuple[bool, bool, bool]] = {
-    "pure": (False, False, False),
-    "attn_mlp": (False, True, False),
-    "attn_mlp_skip": (False, True, True),
-    "attn_skip": (True, False, True),
-    "full": (True, True, True),
-}
-
-
-class ModelConfig(BaseModel):
-    """Architecture of one trial's model (vocabulary and context come from the task)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    n_layers: int = Field(2, ge=1, le=64)
-    n_heads: int = Field(2, ge=1, le=64)
-    d_model: int = Field(64, ge=4, le=8192)
-    d_ff: int = Field(256, ge=4, le=32768)
-    norm: Literal["pre", "post", "none"] = "pre"
-    skip: bool = True  # residual connection around attention (and the MLP unless mlp_skip says)
-    mlp: bool = True
-    mlp_skip: bool | None = None  # residual around the MLP; None = the same as `skip`
-    # A named Dong et al. variant; anything but "custom" sets skip, mlp and mlp_skip.
-    block: BlockPreset = "custom"
-    qk_norm: Literal["none", "layernorm", "sigma_reparam"] = "none"
-    qk_init_std: float = Field(0.02, gt=0.0, le=10.0)
-    attn_temperature: float = Field(1.0, gt=0.0, le=100.0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-
-    @model_validator(mode="after")
-    def _apply_block_preset(self) -> ModelConfig:
-        if self.block != "custom":
-            self.skip, self.mlp, self.mlp_skip = BLOCK_PRESETS[self.block]
-        return self
-
-    @property
-    def mlp_residual(self) -> bool:
-        """Whether the MLP sublayer adds its input back (its own skip connection)."""
-        return self.skip if self.mlp_skip is None else self.mlp_skip
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelConfig:
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
-            )
-        return self
-
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_heads
 
 
 @dataclass

@@ -32,12 +32,12 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, Self
+from typing import Literal, Protocol
 
-import pydantic
 import torch
-from pydantic import ConfigDict, Field
 from torch import Tensor
+
+from workers.config import TaskConfig
 
 __all__ = [
     "EOS_TOKEN",
@@ -69,77 +69,6 @@ MAX_VALID_BATCHES = 64
 _VALID_SEED_OFFSET = 1_000_003
 """Offset added to the task seed for the synthetic validation generator (kept apart from any
 training generator a caller might seed with the same ``seed``)."""
-
-
-class TaskConfig(pydantic.BaseModel):
-    """Which task a trial trains on and how its data is shaped.
-
-    Fields that do not apply to the chosen ``kind`` are ignored (e.g. ``n_pairs`` for ``lm``).
-    """
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    kind: Literal["lm", "associative_recall", "sort", "copy"] = "associative_recall"
-    seq_len: int = Field(
-        default=64, ge=4, le=4096, description="Tokens per example fed to the model."
-    )
-    # lm
-    data_dir: str | None = Field(
-        default=None,
-        description="Directory with <train_split>.txt and <valid_split>.txt (lm only).",
-    )
-    train_split: str = Field(default="train", description="File stem of the training split.")
-    valid_split: str = Field(default="valid", description="File stem of the validation split.")
-    tokenizer: Literal["word", "char"] = "word"
-    vocab_cap: int = Field(
-        default=10000,
-        ge=16,
-        le=1_000_000,
-        description="Most frequent tokens kept; rest map to <unk>.",
-    )
-    max_train_tokens: int | None = Field(
-        default=None, ge=1000, description="Optional truncation of the training split (fast tests)."
-    )
-    # synthetic
-    n_symbols: int = Field(
-        default=16, ge=2, le=4096, description="Alphabet size of synthetic tasks."
-    )
-    n_pairs: int = Field(
-        default=8, ge=1, le=512, description="associative_recall: pairs per example."
-    )
-    n_valid: int = Field(
-        default=256,
-        ge=8,
-        le=100_000,
-        description="Synthetic validation examples (fixed, from seed).",
-    )
-
-    @pydantic.model_validator(mode="after")
-    def _check_layout(self) -> Self:
-        """Reject combinations that cannot produce a well-formed example."""
-        if self.kind == "lm":
-            if self.data_dir is None:
-                raise ValueError("data_dir is required when kind='lm'")
-            for name in ("train_split", "valid_split"):
-                stem: str = getattr(self, name)
-                if not stem or "/" in stem or "\\" in stem or stem in (".", ".."):
-                    raise ValueError(f"{name} must be a plain file stem, got {stem!r}")
-        elif self.kind == "associative_recall":
-            if self.n_pairs > self.n_symbols:
-                raise ValueError(
-                    f"n_pairs ({self.n_pairs}) must be <= n_symbols ({self.n_symbols}) "
-                    "so that the keys of one example are distinct"
-                )
-            need = 2 * self.n_pairs + 2
-            if self.seq_len < need:
-                raise ValueError(
-                    f"seq_len ({self.seq_len}) must be >= 2 * n_pairs + 2 = {need} "
-                    "for associative_recall"
-                )
-        else:  # sort / copy: L = (seq_len - 1) // 2 symbols, a separator, L symbols
-            if (self.seq_len - 1) // 2 < 1:
-                raise ValueError(f"seq_len ({self.seq_len}) must be >= 3 for {self.kind}")
-        return self
 
 
 class Task(Protocol):

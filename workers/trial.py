@@ -27,16 +27,27 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from workers import metrics as M
-from workers.model import GPT, ModelConfig
-from workers.regularizers import RegularizerKind, model_penalty
-from workers.tasks import Task, TaskConfig, build_task
+from workers.config import (
+    CheckpointConfig,
+    MetricPoint,
+    OptimConfig,
+    RegularizerConfig,
+    TrialConfig,
+    TrialStatus,
+    TrialSummary,
+)
+from workers.model import GPT
+from workers.regularizers import model_penalty
+from workers.tasks import Task, build_task
+
+NAN_CHECK_EVERY = 64
+"""Steps between host reads of the on-device divergence flag (also read at every evaluation)."""
 
 __all__ = [
     "CheckpointConfig",
@@ -51,78 +62,6 @@ __all__ = [
 ]
 
 
-class RegularizerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
-
-    kind: RegularizerKind = "none"
-    lam: float = Field(0.0, ge=0.0, le=1e6, alias="lambda")
-    target_mean: float = Field(0.0, ge=-1e3, le=1e3)
-
-
-class OptimConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-3, gt=0.0, le=10.0)
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.95, ge=0.0, lt=1.0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine"] = "cosine"
-    grad_clip: float | None = Field(1.0, gt=0.0)
-
-
-class CheckpointConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    dir: str | None = None  # where checkpoints go; None = no checkpoints
-    every_evals: int = Field(1, ge=1)
-
-
-class TrialConfig(BaseModel):
-    """Everything that determines one trial; same config + seed on CPU = same loss curve."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    regularizer: RegularizerConfig = Field(default_factory=RegularizerConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    batch_size: int = Field(32, ge=1, le=4096)
-    steps: int = Field(300, ge=1, le=10_000_000)
-    eval_every: int = Field(50, ge=1)
-    eval_at_init: bool = False  # also evaluate and report the untrained model, as step 0
-    eval_batches: int = Field(4, ge=1, le=1000)
-    probe_batch_size: int = Field(8, ge=1, le=256)
-    seed: int = Field(0, ge=0, lt=2**31)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    entropy_collapse_threshold: float = Field(0.1, ge=0.0, le=1.0)
-    rank_collapse_threshold: float = Field(0.05, ge=0.0, le=1.0)
-    plateau_window: int = Field(3, ge=1)
-    plateau_rel_tol: float = Field(0.01, ge=0.0, le=1.0)
-    trapped_rel_gap: float = Field(0.1, ge=0.0)
-
-    @model_validator(mode="after")
-    def _warmup_fits(self) -> TrialConfig:
-        if self.optim.warmup_steps > self.steps:
-            raise ValueError(
-                f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds steps ({self.steps})"
-            )
-        return self
-
-
-@dataclass(frozen=True)
-class MetricPoint:
-    """One measured number: layer/head are None where they do not apply."""
-
-    name: str
-    value: float
-    layer: int | None = None
-    head: int | None = None
-
-
 class Reporter(Protocol):
     """Receives each evaluation; returning True asks the trial to stop (pruning)."""
 
@@ -132,42 +71,6 @@ class Reporter(Protocol):
 class NullReporter:
     def report(self, step: int, metrics: list[MetricPoint]) -> bool:
         return False
-
-
-TrialStatus = Literal["completed", "pruned", "diverged"]
-
-
-class TrialSummary(BaseModel):
-    """What one trial ended with. Non-finite numbers are stored as None."""
-
-    status: TrialStatus
-    steps_done: int
-    final_train_loss: float | None = None
-    final_val_loss: float | None = None
-    best_val_loss: float | None = None
-    min_norm_entropy: float | None = None  # at the final evaluation, over layers and heads
-    min_norm_entropy_ever: float | None = None  # over every evaluation
-    final_rank_ratio: float | None = None  # last layer, final evaluation, batch mean
-    qk_eig_var: float | None = None  # mean over layers and heads, final evaluation
-    qk_eig_mean: float | None = None
-    entropy_collapse: bool = False
-    rank_collapse: bool = False
-    plateaus: list[tuple[int, int]] = Field(default_factory=list)
-    plateau_count: int = 0
-    plateau_steps: int = 0
-    longest_plateau: int = 0
-    trapped: bool = False
-    diverged_at_step: int | None = None
-    eval_steps: list[int] = Field(default_factory=list)  # training evaluations (step >= 1)
-    val_losses: list[float | None] = Field(default_factory=list)
-    # The untrained model (step 0), with `eval_at_init` only; same reductions as the final ones.
-    init_val_loss: float | None = None
-    init_min_norm_entropy: float | None = None
-    init_rank_ratio: float | None = None
-    init_qk_eig_var: float | None = None
-    wall_time_s: float = 0.0
-    tokens_per_s: float = 0.0
-    device: str = "cpu"
 
 
 def _finite(x: float) -> float | None:
@@ -204,11 +107,20 @@ def _lr_lambda(config: TrialConfig) -> Callable[[int], float]:
 
 
 def _optimizer(config: TrialConfig, model: GPT) -> torch.optim.Optimizer:
+    """AdamW (fused kernel on CUDA, foreach on CPU) or SGD, from the trial's settings."""
     o = config.optim
+    cuda = next(model.parameters()).device.type == "cuda"
     if o.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=o.lr, weight_decay=o.weight_decay, foreach=not cuda or None
+        )
     return torch.optim.AdamW(
-        model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2)
+        model.parameters(),
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=(o.beta1, o.beta2),
+        fused=True if cuda else None,
+        foreach=None if cuda else True,
     )
 
 
@@ -472,30 +384,48 @@ def run_trial(
                 save_checkpoint()
             if stop:
                 status = "pruned"
+    # The step loop never waits for the device: losses and the gradient norm stay tensors
+    # until an evaluation needs them, and a non-finite loss is folded into `first_bad` (the
+    # first bad step, 0 = none) on the device, read every NAN_CHECK_EVERY steps and before
+    # each evaluation. The trial then ends as diverged at exactly that step, as if it had
+    # stopped there (steps trained past it on NaN are discarded: nothing is evaluated,
+    # reported or checkpointed after a bad step).
+    train_forward: Callable[..., tuple[Tensor, Tensor | None]] = (
+        torch.compile(model) if config.compile else model  # type: ignore[assignment]
+    )
+    pin = device.type == "cuda"
+    first_bad = torch.zeros((), dtype=torch.int64, device=device)
+    clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
     while status == "completed" and step < config.steps:
         x, y = task.train_batch(config.batch_size, data_gen)
+        if pin:  # pinned + async copy: the next batch is drawn while the device computes
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with ctx:
-            _, loss = model(x, y)
+            _, loss = train_forward(x, y)
             assert loss is not None
             penalty = _penalty(model, reg) if reg.kind != "none" and reg.lam != 0.0 else None
         total = loss if penalty is None else loss + reg.lam * penalty.float()
-        train_loss = float(loss.detach())
-        if not math.isfinite(train_loss) or not math.isfinite(float(total.detach())):
-            status, diverged_at = "diverged", step + 1
-            break
+        bad = ~(torch.isfinite(loss.detach()) & torch.isfinite(total.detach()))
+        first_bad = torch.where(bad & (first_bad == 0), step + 1, first_bad)
         optimizer.zero_grad(set_to_none=True)
         total.backward()  # type: ignore[no-untyped-call]
-        clip = config.optim.grad_clip if config.optim.grad_clip is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        grad_norm_t = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         scheduler.step()
         step += 1
         if progress is not None:
             progress(step)
-        if step % config.eval_every != 0 and step != config.steps:
+        at_eval = step % config.eval_every == 0 or step == config.steps
+        if at_eval or step % NAN_CHECK_EVERY == 0:
+            bad_step = int(first_bad)
+            if bad_step:
+                status, diverged_at, step = "diverged", bad_step, bad_step - 1
+                break
+        if not at_eval:
             continue
 
+        train_loss, grad_norm = float(loss.detach()), float(grad_norm_t)
         val = _val_loss(model, val_batches, ctx, device)
         points = [
             MetricPoint("train_loss", train_loss),

@@ -1,0 +1,201 @@
+"""Fused trials (workers.fused): each member equals the same trial run alone.
+
+The equality test uses the quickstart study's model and task (study_defs/quickstart.yaml) at
+fewer steps; the rest use the tiny configs of test_trial.py so the file stays short on two
+CPU cores.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.workers.test_trial import Recorder, tiny
+from workers.config import TrialConfig, TrialSummary
+from workers.fused import FusionError, fusion_key, group_by_key, run_trial_group
+from workers.trial import run_trial
+
+REPO = Path(__file__).resolve().parents[2]
+REL_TOL = 1e-4
+
+
+def _quickstart(**over: Any) -> TrialConfig:
+    base = yaml.safe_load((REPO / "study_defs" / "quickstart.yaml").read_text())["base"]
+    data: dict[str, Any] = {**base, "device": "cpu", "dtype": "float32", "steps": 100}
+    data["eval_every"] = 25
+    for key, value in over.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return TrialConfig.model_validate(data)
+
+
+# Four members that differ in everything a member may: lr, wd, betas, seed, regularizer kind,
+# lambda and target, QK init scale and attention temperature (the stable region: see
+# bench/README.md, "fused: equality", for what large qk_init_std does to run-alone twins).
+MEMBERS: list[dict[str, Any]] = [
+    {"seed": 0, "optim": {"lr": 3e-3}, "regularizer": {"kind": "locater", "lambda": 0.01}},
+    {
+        "seed": 1,
+        "optim": {"lr": 1e-3, "weight_decay": 0.1},
+        "regularizer": {"kind": "spectral_variance", "lambda": 0.1},
+        "model": {"qk_init_std": 0.1},
+    },
+    {
+        "seed": 2,
+        "optim": {"lr": 5e-3, "weight_decay": 0.01},
+        "regularizer": {"kind": "none"},
+        "model": {"attn_temperature": 2.0},
+    },
+    {
+        "seed": 3,
+        "optim": {"lr": 2e-3, "weight_decay": 0.05, "beta2": 0.99, "grad_clip": 0.5},
+        "regularizer": {"kind": "locater", "lambda": 0.3, "target_mean": 0.5},
+        "model": {"qk_init_std": 0.05},
+    },
+]
+
+
+def _rel(a: float | None, b: float | None) -> float:
+    assert a is not None and b is not None and math.isfinite(a) and math.isfinite(b)
+    return abs(a - b) / max(abs(a), 1e-12)
+
+
+def _assert_same_evaluations(alone: Recorder, fused: Recorder) -> None:
+    assert fused.steps == alone.steps
+    for step in alone.steps:
+        a, f = alone.at(step), fused.at(step)
+        assert set(a) == set(f)
+        for name in ("val_loss", "train_loss"):
+            assert _rel(a[(name, None, None)], f[(name, None, None)]) < REL_TOL, (step, name)
+
+
+def test_each_member_matches_the_trial_run_alone() -> None:
+    configs = [_quickstart(**m) for m in MEMBERS]
+    assert len({fusion_key(c) for c in configs}) == 1
+    alone = [Recorder() for _ in configs]
+    singles = [run_trial(c, r) for c, r in zip(configs, alone, strict=True)]
+    fused_recs = [Recorder() for _ in configs]
+    fused = run_trial_group(configs, fused_recs)
+    for s, f, ra, rf in zip(singles, fused, alone, fused_recs, strict=True):
+        assert f.status == s.status == "completed"
+        assert f.steps_done == s.steps_done == 100
+        assert f.eval_steps == s.eval_steps == [25, 50, 75, 100]
+        _assert_same_evaluations(ra, rf)
+        assert _rel(s.min_norm_entropy, f.min_norm_entropy) < 1e-3
+    # the members really are different trials
+    assert len({round(s.final_val_loss or 0.0, 6) for s in fused}) == 4
+
+
+def _sum(s: TrialSummary) -> dict[str, Any]:
+    return s.model_dump(exclude={"wall_time_s", "tokens_per_s"})
+
+
+def test_a_diverging_member_stops_at_its_step_and_leaves_the_others_alone() -> None:
+    sgd = {"name": "sgd", "schedule": "constant"}
+    over = {"steps": 40, "eval_every": 10}
+    calm = tiny(optim={**sgd, "lr": 0.1}, seed=1, **over)
+    wild = tiny(optim={**sgd, "lr": 10.0, "grad_clip": None}, seed=2, **over)
+    alone_wild, alone_calm = run_trial(wild), Recorder()
+    run_trial(calm, alone_calm)
+    assert alone_wild.status == "diverged"  # the premise (see test_trial's divergence test)
+    rec = Recorder()
+    wild_f, calm_f = run_trial_group([wild, calm], [None, rec])
+    assert wild_f.status == "diverged"
+    assert wild_f.diverged_at_step == alone_wild.diverged_at_step
+    assert wild_f.steps_done == alone_wild.steps_done
+    assert wild_f.eval_steps == alone_wild.eval_steps
+    _assert_same_evaluations(alone_calm, rec)
+
+
+def test_a_pruned_member_stops_and_the_others_go_on() -> None:
+    configs = [tiny(seed=s, model={"qk_init_std": 0.1 * (s + 1)}) for s in range(3)]
+    recs = [Recorder(), Recorder(stop_at_report=2), Recorder()]
+    out = run_trial_group(configs, recs)
+    assert [s.status for s in out] == ["completed", "pruned", "completed"]
+    assert out[1].steps_done == 10 and recs[1].steps == [5, 10]
+    alone = Recorder()
+    run_trial(configs[2], alone)
+    _assert_same_evaluations(alone, recs[2])
+
+
+def test_group_resumes_from_member_checkpoints_and_alone_from_a_fused_one(tmp_path: Path) -> None:
+    over = {"regularizer": {"kind": "locater", "lambda": 0.1}}
+
+    def cfgs(tag: str) -> list[TrialConfig]:
+        return [
+            tiny(seed=s, checkpoint={"dir": str(tmp_path / f"{tag}{s}")}, **over) for s in range(2)
+        ]
+
+    full = [Recorder(), Recorder()]
+    ref = run_trial_group(cfgs("a"), full)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_trial_group(cfgs("b"), [Recorder(), Recorder(crash_at_step=15)])
+    resumed = [Recorder(), Recorder()]
+    out = run_trial_group(cfgs("b"), resumed)
+    # member 0 reported (and checkpointed) step 15 before member 1 crashed in its step-15
+    # report: member 0 resumes from 15, member 1 from 10, in one group
+    for r_full, r_res, s_ref, s_out, last in zip(full, resumed, ref, out, (15, 10), strict=True):
+        assert r_res.steps == [s for s in (15, 20) if s > last]
+        assert r_res.stream() == r_full.stream(after=last)
+        assert _sum(s_out) == _sum(s_ref)
+    # a fused member's checkpoint resumes as a plain trial, with the same result
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_trial_group(cfgs("c"), [Recorder(crash_at_step=15), Recorder()])
+    alone = Recorder()
+    s_alone = run_trial(cfgs("c")[0], alone)
+    assert alone.steps == [15, 20]
+    for step in (15, 20):
+        val = ("val_loss", None, None)
+        assert _rel(alone.at(step)[val], full[0].at(step)[val]) < REL_TOL
+    assert s_alone.eval_steps == ref[0].eval_steps
+
+
+def test_fusion_key_and_grouping() -> None:
+    a = tiny(seed=1, optim={"lr": 1e-2}, model={"qk_init_std": 0.5})
+    b = tiny(seed=2, regularizer={"kind": "locater", "lambda": 0.3})
+    wide = tiny(model={"d_model": 64})
+    longer = tiny(steps=30)
+    assert fusion_key(a) == fusion_key(b)
+    assert fusion_key(a) != fusion_key(wide) and fusion_key(a) != fusion_key(longer)
+    dropout = tiny(model={"dropout": 0.1})
+    groups = group_by_key([a, wide, b, dropout, b, a, wide], max_size=2)
+    assert groups == [[0, 2], [1, 6], [3], [4, 5]]
+    with pytest.raises(ValueError, match="max_size"):
+        group_by_key([a], max_size=0)
+
+
+@pytest.mark.parametrize(
+    ("model", "field"),
+    [({"dropout": 0.1}, "model.dropout"), ({"qk_norm": "sigma_reparam"}, "model.qk_norm")],
+)
+def test_unsupported_configs_are_refused_by_name(model: dict[str, Any], field: str) -> None:
+    with pytest.raises(FusionError, match=field):
+        run_trial_group([tiny(model=model), tiny(model=model, seed=1)])
+
+
+def test_configs_of_different_shapes_are_refused() -> None:
+    with pytest.raises(FusionError, match="differ"):
+        run_trial_group([tiny(), tiny(model={"d_model": 64})])
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"qk_norm": "layernorm", "norm": "post"},
+        {"norm": "none", "skip": False},
+        {"mlp": False, "n_layers": 3},
+    ],
+    ids=["qk-layernorm-post-norm", "no-norm-no-skip", "no-mlp-3-layers"],
+)
+def test_architecture_variants_match_alone(model: dict[str, Any]) -> None:
+    configs = [tiny(seed=s, model={**model, "qk_init_std": 0.05}) for s in range(2)]
+    alone = [Recorder(), Recorder()]
+    for c, r in zip(configs, alone, strict=True):
+        run_trial(c, r)
+    recs = [Recorder(), Recorder()]
+    run_trial_group(configs, recs)
+    for a, f in zip(alone, recs, strict=True):
+        _assert_same_evaluations(a, f)

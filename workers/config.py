@@ -1,0 +1,273 @@
+"""The configuration and result types of one trial, importable without torch.
+
+The service (spec validation, the API, the runner) needs these types but never trains;
+keeping them here, free of torch, saves every service process torch's import time
+(about a second and a few hundred MB). `workers.trial`, `workers.model`, `workers.tasks`
+and `workers.regularizers` re-export them from where they used to live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Self
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "BLOCK_PRESETS",
+    "BlockPreset",
+    "CheckpointConfig",
+    "MetricPoint",
+    "ModelConfig",
+    "OptimConfig",
+    "RegularizerConfig",
+    "RegularizerKind",
+    "TaskConfig",
+    "TrialConfig",
+    "TrialStatus",
+    "TrialSummary",
+]
+
+RegularizerKind = Literal["none", "spectral_variance", "locater"]
+"""Same as `workers.regularizers.RegularizerKind` (kept in step with it)."""
+
+
+class TaskConfig(pydantic.BaseModel):
+    """Which task a trial trains on and how its data is shaped.
+
+    Fields that do not apply to the chosen ``kind`` are ignored (e.g. ``n_pairs`` for ``lm``).
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    kind: Literal["lm", "associative_recall", "sort", "copy"] = "associative_recall"
+    seq_len: int = Field(
+        default=64, ge=4, le=4096, description="Tokens per example fed to the model."
+    )
+    # lm
+    data_dir: str | None = Field(
+        default=None,
+        description="Directory with <train_split>.txt and <valid_split>.txt (lm only).",
+    )
+    train_split: str = Field(default="train", description="File stem of the training split.")
+    valid_split: str = Field(default="valid", description="File stem of the validation split.")
+    tokenizer: Literal["word", "char"] = "word"
+    vocab_cap: int = Field(
+        default=10000,
+        ge=16,
+        le=1_000_000,
+        description="Most frequent tokens kept; rest map to <unk>.",
+    )
+    max_train_tokens: int | None = Field(
+        default=None, ge=1000, description="Optional truncation of the training split (fast tests)."
+    )
+    # synthetic
+    n_symbols: int = Field(
+        default=16, ge=2, le=4096, description="Alphabet size of synthetic tasks."
+    )
+    n_pairs: int = Field(
+        default=8, ge=1, le=512, description="associative_recall: pairs per example."
+    )
+    n_valid: int = Field(
+        default=256,
+        ge=8,
+        le=100_000,
+        description="Synthetic validation examples (fixed, from seed).",
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _check_layout(self) -> Self:
+        """Reject combinations that cannot produce a well-formed example."""
+        if self.kind == "lm":
+            if self.data_dir is None:
+                raise ValueError("data_dir is required when kind='lm'")
+            for name in ("train_split", "valid_split"):
+                stem: str = getattr(self, name)
+                if not stem or "/" in stem or "\\" in stem or stem in (".", ".."):
+                    raise ValueError(f"{name} must be a plain file stem, got {stem!r}")
+        elif self.kind == "associative_recall":
+            if self.n_pairs > self.n_symbols:
+                raise ValueError(
+                    f"n_pairs ({self.n_pairs}) must be <= n_symbols ({self.n_symbols}) "
+                    "so that the keys of one example are distinct"
+                )
+            need = 2 * self.n_pairs + 2
+            if self.seq_len < need:
+                raise ValueError(
+                    f"seq_len ({self.seq_len}) must be >= 2 * n_pairs + 2 = {need} "
+                    "for associative_recall"
+                )
+        else:  # sort / copy: L = (seq_len - 1) // 2 symbols, a separator, L symbols
+            if (self.seq_len - 1) // 2 < 1:
+                raise ValueError(f"seq_len ({self.seq_len}) must be >= 3 for {self.kind}")
+        return self
+
+
+BlockPreset = Literal["custom", "pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"]
+# (skip, mlp, mlp_skip) of each named variant of Dong et al. 2021. "attn_mlp" is attention + MLP
+# with no residual anywhere; "attn_mlp_skip" is the variant of the authors' code
+# (twistedcubic/attention-rank-collapse, walking_casual_transformers.ipynb): the residual around
+# attention is removed but the MLP sublayer keeps its own.
+BLOCK_PRESETS: dict[str, tuple[bool, bool, bool]] = {
+    "pure": (False, False, False),
+    "attn_mlp": (False, True, False),
+    "attn_mlp_skip": (False, True, True),
+    "attn_skip": (True, False, True),
+    "full": (True, True, True),
+}
+
+
+class ModelConfig(BaseModel):
+    """Architecture of one trial's model (vocabulary and context come from the task)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    n_layers: int = Field(2, ge=1, le=64)
+    n_heads: int = Field(2, ge=1, le=64)
+    d_model: int = Field(64, ge=4, le=8192)
+    d_ff: int = Field(256, ge=4, le=32768)
+    norm: Literal["pre", "post", "none"] = "pre"
+    skip: bool = True  # residual connection around attention (and the MLP unless mlp_skip says)
+    mlp: bool = True
+    mlp_skip: bool | None = None  # residual around the MLP; None = the same as `skip`
+    # A named Dong et al. variant; anything but "custom" sets skip, mlp and mlp_skip.
+    block: BlockPreset = "custom"
+    qk_norm: Literal["none", "layernorm", "sigma_reparam"] = "none"
+    qk_init_std: float = Field(0.02, gt=0.0, le=10.0)
+    attn_temperature: float = Field(1.0, gt=0.0, le=100.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _apply_block_preset(self) -> ModelConfig:
+        if self.block != "custom":
+            self.skip, self.mlp, self.mlp_skip = BLOCK_PRESETS[self.block]
+        return self
+
+    @property
+    def mlp_residual(self) -> bool:
+        """Whether the MLP sublayer adds its input back (its own skip connection)."""
+        return self.skip if self.mlp_skip is None else self.mlp_skip
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        return self
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class RegularizerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+    kind: RegularizerKind = "none"
+    lam: float = Field(0.0, ge=0.0, le=1e6, alias="lambda")
+    target_mean: float = Field(0.0, ge=-1e3, le=1e3)
+
+
+class OptimConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "cosine"
+    grad_clip: float | None = Field(1.0, gt=0.0)
+
+
+class CheckpointConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    dir: str | None = None  # where checkpoints go; None = no checkpoints
+    every_evals: int = Field(1, ge=1)
+
+
+class TrialConfig(BaseModel):
+    """Everything that determines one trial; same config + seed on CPU = same loss curve."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    regularizer: RegularizerConfig = Field(default_factory=RegularizerConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    batch_size: int = Field(32, ge=1, le=4096)
+    steps: int = Field(300, ge=1, le=10_000_000)
+    eval_every: int = Field(50, ge=1)
+    eval_at_init: bool = False  # also evaluate and report the untrained model, as step 0
+    eval_batches: int = Field(4, ge=1, le=1000)
+    probe_batch_size: int = Field(8, ge=1, le=256)
+    seed: int = Field(0, ge=0, lt=2**31)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    entropy_collapse_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    rank_collapse_threshold: float = Field(0.05, ge=0.0, le=1.0)
+    plateau_window: int = Field(3, ge=1)
+    plateau_rel_tol: float = Field(0.01, ge=0.0, le=1.0)
+    trapped_rel_gap: float = Field(0.1, ge=0.0)
+    # torch.compile the training forward (not the probes). Off by default: at the small
+    # sizes qkscope studies, compilation costs more than it saves (bench/README.md).
+    compile: bool = False
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> TrialConfig:
+        if self.optim.warmup_steps > self.steps:
+            raise ValueError(
+                f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds steps ({self.steps})"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class MetricPoint:
+    """One measured number: layer/head are None where they do not apply."""
+
+    name: str
+    value: float
+    layer: int | None = None
+    head: int | None = None
+
+
+TrialStatus = Literal["completed", "pruned", "diverged"]
+
+
+class TrialSummary(BaseModel):
+    """What one trial ended with. Non-finite numbers are stored as None."""
+
+    status: TrialStatus
+    steps_done: int
+    final_train_loss: float | None = None
+    final_val_loss: float | None = None
+    best_val_loss: float | None = None
+    min_norm_entropy: float | None = None  # at the final evaluation, over layers and heads
+    min_norm_entropy_ever: float | None = None  # over every evaluation
+    final_rank_ratio: float | None = None  # last layer, final evaluation, batch mean
+    qk_eig_var: float | None = None  # mean over layers and heads, final evaluation
+    qk_eig_mean: float | None = None
+    entropy_collapse: bool = False
+    rank_collapse: bool = False
+    plateaus: list[tuple[int, int]] = Field(default_factory=list)
+    plateau_count: int = 0
+    plateau_steps: int = 0
+    longest_plateau: int = 0
+    trapped: bool = False
+    diverged_at_step: int | None = None
+    eval_steps: list[int] = Field(default_factory=list)  # training evaluations (step >= 1)
+    val_losses: list[float | None] = Field(default_factory=list)
+    # The untrained model (step 0), with `eval_at_init` only; same reductions as the final ones.
+    init_val_loss: float | None = None
+    init_min_norm_entropy: float | None = None
+    init_rank_ratio: float | None = None
+    init_qk_eig_var: float | None = None
+    wall_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    device: str = "cpu"

@@ -1,0 +1,194 @@
+"""M copies of `workers.model.GPT` trained as one model: every weight has a leading member axis.
+
+Horizontal fusion (HFTA, Wang et al. 2021): trials that share an architecture run their
+forward and backward passes as batched matrix products over a member axis, so many small
+models fill an accelerator that one of them would leave idle. Members never mix: every
+operation is per member (batched matmuls, per-member LayerNorm, attention folded into the
+batch axis), so the gradient of the summed loss with respect to member m's weights is exactly
+the gradient of member m's own loss, and one member's NaN cannot reach another.
+
+The weights are `GPT.named_parameters()` stacked on dim 0 under the same names, so a member
+is loaded from, and written back into, an ordinary `GPT` (the probes, the validation loss and
+the checkpoints of `workers.trial` then apply unchanged). Per-member knobs that are not
+shapes (the attention temperature, via the logit scale) are (M,) tensors.
+
+Explicit batched matmuls were measured against `torch.func.vmap(functional_call(GPT))` on
+CPU (bench/README.md, "fused model: bmm vs vmap"); the batched form is kept.
+
+Not supported (refused by `workers.fused.check_fusable`): dropout (the fused model draws no
+randomness, so it cannot match a trial that does) and sigma-reparam QK (its power iteration
+mutates per-module buffers in the training forward).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from workers.config import ModelConfig, RegularizerKind
+from workers.model import GPT
+from workers.regularizers import locater_penalty, spectral_variance_penalty
+
+__all__ = ["FusedGPT"]
+
+
+class FusedGPT:
+    """The stacked weights of M GPTs and their batched training forward."""
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, Tensor], temperatures: Tensor):
+        self.cfg = cfg
+        self.params = params  # name -> (M, *shape), leaf tensors with requires_grad
+        self.n_members = temperatures.shape[0]
+        # Each member's logit scale 1 / (sqrt(d_h) * temperature): (M,)
+        self.scale = 1.0 / (math.sqrt(cfg.d_head) * temperatures)
+
+    @classmethod
+    def from_models(cls, models: Sequence[GPT], device: torch.device) -> FusedGPT:
+        """Stack the members' weights (tied head = token embedding, as in GPT)."""
+        cfg = models[0].cfg
+        names = [n for n, _ in models[0].named_parameters()]
+        per_member = [dict(m.named_parameters()) for m in models]
+        params = {
+            n: torch.stack([p[n].detach() for p in per_member]).to(device).requires_grad_(True)
+            for n in names
+        }
+        temps = torch.tensor(
+            [m.cfg.attn_temperature for m in models], dtype=torch.float32, device=device
+        )
+        return cls(cfg, params, temps)
+
+    @torch.no_grad()
+    def write_member(self, m: int, model: GPT) -> None:
+        """Copy member m's weights into an ordinary GPT of the same config."""
+        for name, p in model.named_parameters():
+            p.copy_(self.params[name][m])
+
+    @torch.no_grad()
+    def read_member(self, m: int, model: GPT) -> None:
+        """Load member m's weights from an ordinary GPT (checkpoint resume)."""
+        for name, p in model.named_parameters():
+            self.params[name][m].copy_(p)
+
+    def parameters(self) -> list[Tensor]:
+        return list(self.params.values())
+
+    # ---- the batched forward ------------------------------------------------------------
+
+    @staticmethod
+    def _linear(x: Tensor, w: Tensor) -> Tensor:
+        """Per-member x @ w^T: x (M, B, T, in), w (M, out, in) -> (M, B, T, out)."""
+        m, b, t, d = x.shape
+        y = torch.bmm(x.reshape(m, b * t, d), w.transpose(1, 2))  # (M, B*T, out)
+        return y.view(m, b, t, w.shape[1])
+
+    def _layer_norm(self, x: Tensor, prefix: str) -> Tensor:
+        """Per-member affine LayerNorm over the last axis; x (M, ..., D)."""
+        w, b = self.params[prefix + ".weight"], self.params[prefix + ".bias"]
+        shape = (w.shape[0],) + (1,) * (x.dim() - 2) + (w.shape[1],)
+        y = F.layer_norm(x, (x.shape[-1],))
+        return y * w.view(shape) + b.view(shape)
+
+    def _norm(self, x: Tensor, prefix: str) -> Tensor:
+        return self._layer_norm(x, prefix) if self.cfg.norm != "none" else x
+
+    def _attention(self, x: Tensor, i: int) -> Tensor:
+        """Causal self-attention of block i; x (M, B, T, D) -> (M, B, T, D)."""
+        cfg, p = self.cfg, f"blocks.{i}.attn"
+        m, b, t, d = x.shape
+        h, dh = cfg.n_heads, cfg.d_head
+
+        def heads(name: str) -> Tensor:
+            y = self._linear(x, self.params[f"{p}.{name}.weight"])  # (M, B, T, D)
+            return y.view(m, b, t, h, dh).transpose(2, 3)  # (M, B, H, T, d_h)
+
+        q, k, v = heads("q_proj"), heads("k_proj"), heads("v_proj")
+        if cfg.qk_norm == "layernorm":
+            q, k = self._layer_norm(q, f"{p}.q_norm"), self._layer_norm(k, f"{p}.k_norm")
+        q = q * self.scale.to(q.dtype).view(m, 1, 1, 1, 1)  # per-member temperature
+        y = F.scaled_dot_product_attention(
+            q.reshape(m * b, h, t, dh),
+            k.reshape(m * b, h, t, dh),
+            v.reshape(m * b, h, t, dh),
+            is_causal=True,
+            scale=1.0,
+        )  # (M*B, H, T, d_h)
+        y = y.view(m, b, h, t, dh).transpose(2, 3).reshape(m, b, t, d)
+        return self._linear(y, self.params[f"{p}.out_proj.weight"])
+
+    def _residual(self, x: Tensor, out: Tensor, ln: str, skip: bool) -> Tensor:
+        y = x + out if skip else out
+        return self._layer_norm(y, ln) if self.cfg.norm == "post" else y
+
+    @property
+    def _mlp_skip(self) -> bool:
+        """The MLP's own residual: `ModelConfig.mlp_residual` where it exists, else `skip`."""
+        return bool(getattr(self.cfg, "mlp_residual", self.cfg.skip))
+
+    def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
+        """Per-member mean cross-entropy (M,) of (M, B, T) inputs and targets (-100 ignored)."""
+        cfg, p = self.cfg, self.params
+        m, b, t = idx.shape
+        tok = p["tok_emb.weight"]  # (M, V, D)
+        members = torch.arange(m, device=idx.device).view(m, 1, 1)
+        x = tok[members, idx] + p["pos_emb.weight"][:, :t].unsqueeze(1)  # (M, B, T, D)
+        pre = cfg.norm == "pre"
+        for i in range(cfg.n_layers):
+            blk = f"blocks.{i}"
+            a_in = self._layer_norm(x, f"{blk}.ln1") if pre else x
+            x = self._residual(x, self._attention(a_in, i), f"{blk}.ln1", cfg.skip)
+            if cfg.mlp:
+                m_in = self._layer_norm(x, f"{blk}.ln2") if pre else x
+                hid = F.gelu(self._linear(m_in, p[f"{blk}.mlp.fc.weight"]))
+                out = self._linear(hid, p[f"{blk}.mlp.proj.weight"])
+                x = self._residual(x, out, f"{blk}.ln2", self._mlp_skip)
+        if pre:
+            x = self._layer_norm(x, "ln_f")
+        logits = self._linear(x, tok)  # (M, B, T, V), head tied to the token embedding
+        nll = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=-100,
+            reduction="none",
+        ).view(m, b * t)
+        counted = (targets.view(m, b * t) != -100).sum(dim=1)  # (M,)
+        return nll.sum(dim=1) / counted  # mean over counted targets, as F.cross_entropy does
+
+    # ---- regularizers ---------------------------------------------------------------------
+
+    def qk_weights(self) -> tuple[Tensor, Tensor]:
+        """Query and key weights of every layer and head: two (M, L, H, d_h, D) tensors."""
+        cfg = self.cfg
+        shape = (self.n_members, cfg.n_heads, cfg.d_head, cfg.d_model)
+        w_q = [
+            self.params[f"blocks.{i}.attn.q_proj.weight"].view(shape) for i in range(cfg.n_layers)
+        ]
+        w_k = [
+            self.params[f"blocks.{i}.attn.k_proj.weight"].view(shape) for i in range(cfg.n_layers)
+        ]
+        return torch.stack(w_q, dim=1), torch.stack(w_k, dim=1)
+
+    def penalties(self, kinds: Sequence[RegularizerKind], target_means: Sequence[float]) -> Tensor:
+        """Each member's own regularizer, mean over layers and heads: (M,); 0 for kind none."""
+        w_q, w_k = self.qk_weights()
+        out = torch.zeros(self.n_members, device=w_q.device, dtype=torch.float32)
+        if "spectral_variance" in kinds:
+            sv = spectral_variance_penalty(w_q, w_k).mean(dim=(1, 2)).float()
+            use = torch.tensor([k == "spectral_variance" for k in kinds], device=w_q.device)
+            out = torch.where(use, sv, out)
+        for target in sorted(
+            {t for k, t in zip(kinds, target_means, strict=True) if k == "locater"}
+        ):
+            # members sharing a target mean: one batched call of the same penalty function
+            idx = [
+                m
+                for m, (k, t) in enumerate(zip(kinds, target_means, strict=True))
+                if k == "locater" and t == target
+            ]
+            sel = torch.tensor(idx, device=w_q.device)
+            loc = locater_penalty(w_q[sel], w_k[sel], target).mean(dim=(1, 2)).float()
+            out = out.index_copy(0, sel, loc)
+        return out
