@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     checkpoint_dir: str = ""  # shared storage for trial checkpoints; empty: home/checkpoints
     api_url: str = "http://127.0.0.1:8000"  # where the CLI finds the API (QKSCOPE_API_URL)
     reconcile_interval_s: float = Field(10.0, gt=0.0)
+    # Refuse studies whose resources no alive Ray node has (turn off for autoscaling clusters,
+    # whose nodes appear later; the runner then shows a waiting reason instead).
+    check_resources: bool = True
     max_job_attempts: int = Field(5, ge=1)  # runner jobs per study before it is marked FAILED
     max_body_bytes: int = Field(256 * 1024, gt=0)
     max_trials: int = Field(10_000, ge=1)

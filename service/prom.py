@@ -7,7 +7,7 @@ jobs) that write trials. Exposed at `GET /metrics` (bearer token, like the API).
 - `qkscope_studies{status}`: studies by status (gauge; every status, zeros included)
 - `qkscope_trials{state}`: trials by state (gauge; every state, zeros included)
 - `qkscope_trial_duration_seconds{state}`: histogram of `qk_trial.duration_s` of
-  finished trials (every state but RUNNING, trials with a duration)
+  finished trials (every state but QUEUED and RUNNING, trials with a duration)
 - `qkscope_metric_rows_written_total`: metric rows stored by finished trials (counter:
   the sum of `qk_trial.metric_rows`, which the runner sets when a trial finishes)
 """
@@ -29,7 +29,7 @@ from prometheus_client.exposition import choose_encoder
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.models import Study, StudyStatus, Trial, TrialState
+from service.db.models import OPEN_TRIAL_STATES, Study, StudyStatus, Trial, TrialState
 from service.db.session import session_scope
 
 __all__ = ["DURATION_BUCKETS", "DatabaseCollector", "exposition", "make_registry"]
@@ -37,7 +37,7 @@ __all__ = ["DURATION_BUCKETS", "DatabaseCollector", "exposition", "make_registry
 # Trials run from seconds (a smoke test) to hours (a language model on a GPU).
 DURATION_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
                     14400.0, 43200.0, 86400.0, math.inf)  # fmt: skip
-FINISHED = [s.value for s in TrialState if s != TrialState.RUNNING]
+FINISHED = [s.value for s in TrialState if s not in OPEN_TRIAL_STATES]
 
 
 def _le(bound: float) -> str:

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.db.models import Study, StudyStatus, Trial, TrialState, utcnow
+from service.db.models import OPEN_TRIAL_STATES, Study, StudyStatus, Trial, TrialState, utcnow
 from service.db.session import session_scope
 from service.ray_cluster import JobLauncher
 from service.spec import StudySpec
@@ -199,7 +199,7 @@ def cancel_study(
     with session_scope(sessions) as s:
         s.execute(
             update(Trial)
-            .where(Trial.study_id == study_id, Trial.state == TrialState.RUNNING)
+            .where(Trial.study_id == study_id, Trial.state.in_(OPEN_TRIAL_STATES))
             .values(state=TrialState.CANCELLED, finished_at=utcnow(), error="study cancelled")
         )
         row = s.get(Study, study_id)
@@ -276,6 +276,6 @@ def _give_up(
         )
         s.execute(
             update(Trial)
-            .where(Trial.study_id == study_id, Trial.state == TrialState.RUNNING)
+            .where(Trial.study_id == study_id, Trial.state.in_(OPEN_TRIAL_STATES))
             .values(state=TrialState.FAILED, finished_at=utcnow(), error="study failed: " + reason)
         )

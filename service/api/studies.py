@@ -16,6 +16,7 @@ from service.api.errors import ApiError, validation_errors
 from service.api.schemas import FieldError, Page, StudyOut, TrialOut
 from service.db import queries
 from service.db.models import Study, StudyStatus, Trial, TrialState
+from service.resources import unmet
 from service.spec import SpecError, StudySpec, check_limits, parse_spec
 from service.studies import cancel_study, create_study, launch_study
 
@@ -111,6 +112,16 @@ async def submit_study(
     if limit_errors:
         errors = [FieldError(field=e.field, message=e.message) for e in limit_errors]
         raise ApiError(422, "limit_exceeded", "; ".join(str(e) for e in limit_errors), errors)
+    if launcher is not None and settings.check_resources:
+        nodes = await run_in_threadpool(launcher.node_resources)
+        unmet_ = unmet(spec.resources.cpus, spec.resources.gpus, nodes) if nodes else []
+        if unmet_:
+            raise ApiError(
+                422,
+                "unsatisfiable_resources",
+                "; ".join(f"{f}: {m}" for f, m in unmet_),
+                [FieldError(field=f, message=m) for f, m in unmet_],
+            )
     sessions = request.app.state.sessions
     row, created = create_study(sessions, spec, idempotency_key)
     if not created:

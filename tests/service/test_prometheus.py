@@ -26,8 +26,8 @@ from service.db.session import make_engine
 TOKEN = "prom-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 STUDY_STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
-TRIAL_STATES = ("RUNNING", "COMPLETE", "PRUNED", "DIVERGED", "FAILED", "CANCELLED")
-FINISHED = TRIAL_STATES[1:]
+TRIAL_STATES = ("QUEUED", "RUNNING", "COMPLETE", "PRUNED", "DIVERGED", "FAILED", "CANCELLED")
+FINISHED = TRIAL_STATES[2:]
 BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0,
            43200.0, 86400.0, math.inf)  # fmt: skip
 
