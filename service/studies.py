@@ -135,11 +135,15 @@ def _insert_study(
 
 
 def runner_env(settings: Settings) -> dict[str, str]:
-    """What the study's Ray job needs to find the database, data and checkpoints."""
-    env = {
-        "QKSCOPE_DATABASE_URL": settings.resolved_database_url(),
-        "QKSCOPE_CHECKPOINT_DIR": settings.resolved_checkpoint_dir(),
-    }
+    """What the study's Ray job needs to find the database, data and checkpoints.
+
+    Never the database URL itself: a job's runtime_env is shown by Ray's jobs API (and the
+    dashboard) to every holder of the Ray token. The runner reads the URL from a file or
+    from its node's environment (`Settings.runner_database_url_file`).
+    """
+    env = {"QKSCOPE_CHECKPOINT_DIR": settings.resolved_checkpoint_dir()}
+    if url_file := settings.runner_database_url_file():
+        env["QKSCOPE_DATABASE_URL_FILE"] = url_file
     if settings.data_dir:
         env["QKSCOPE_DATA_DIR"] = settings.data_dir
     return env

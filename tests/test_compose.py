@@ -139,6 +139,15 @@ def test_database_urls_point_at_postgres(services: dict[str, dict[str, Any]]) ->
     assert services["api"]["depends_on"]["postgres"]["condition"] == "service_healthy"
 
 
+def test_runner_jobs_get_the_database_url_from_the_head_node(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Not through the job's runtime_env (Ray's jobs API would show the password)."""
+    assert env_of(services["api"]).get("QKSCOPE_RUNNER_DB_SOURCE") == "node"
+    assert "QKSCOPE_DATABASE_URL" in env_of(services["ray-head"])
+    assert "QKSCOPE_DATABASE_URL" not in env_of(services["ray-worker"])  # workers need none
+
+
 def test_ray_token_auth_everywhere(services: dict[str, dict[str, Any]]) -> None:
     tokens = set()
     for name, svc in services.items():
