@@ -29,7 +29,7 @@ import optuna
 import ray
 from optuna.trial import TrialState as OptunaState
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from sqlalchemy import Engine, event, func, select, update
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
@@ -48,14 +48,18 @@ from service.db.models import (
 from service.db.session import (
     make_engine,
     make_sessionmaker,
-    normalize_url,
     session_scope,
-    sqlite_pragmas,
     with_retry,
 )
 from service.resources import unmet
 from service.spec import StudySpec, apply_params
-from service.studies import make_pruner, make_sampler, optuna_study_name
+from service.studies import (
+    finish_open_trials,
+    make_pruner,
+    make_sampler,
+    optuna_storage,
+    optuna_study_name,
+)
 from workers import metrics as M
 from workers.remote import Batch, Report, Start, TrialInbox, run_trial_task
 
@@ -128,12 +132,7 @@ class StudyRunner:
                 raise LookupError(f"study {study_id} not found")
             self.spec = StudySpec.model_validate(row.spec)
             self.status = StudyStatus(row.status)
-        url = normalize_url(settings.resolved_database_url())
-        pre_ping = {} if url.startswith("sqlite") else {"pool_pre_ping": True}
-        self.storage = optuna.storages.RDBStorage(url, engine_kwargs=pre_ping)
-        if url.startswith("sqlite"):  # Optuna's engine gets our WAL and busy timeout too
-            event.listen(self.storage.engine, "connect", sqlite_pragmas)
-            self.storage.engine.dispose()  # reconnect with them
+        self.storage = optuna_storage(settings.resolved_database_url())
         self.study = optuna.create_study(
             storage=self.storage,
             study_name=optuna_study_name(study_id),
@@ -537,29 +536,14 @@ class StudyRunner:
             ray.cancel(ref, force=True)
         for f in list(self.finishing.values()):  # returned before the cancel: keep the result
             self._finish(f.entry, f.result)
-        entries = list(self.running.values())
         self.running.clear()
         self.finishing.clear()
-
-        def write() -> None:
-            with session_scope(self.sessions) as s:
-                s.execute(
-                    update(Trial)
-                    .where(
-                        Trial.id.in_([e.row_id for e in entries]),
-                        Trial.state.in_(OPEN_TRIAL_STATES),
-                    )
-                    .values(
-                        state=TrialState.CANCELLED, finished_at=utcnow(), error="study cancelled"
-                    )
-                )
-
-        with_retry(write, "cancel trials")
-        for e in entries:
-            tell = functools.partial(
-                self.study.tell, e.trial, state=OptunaState.FAIL, skip_if_finished=True
-            )
-            with_retry(tell, "tell cancel")
+        with_retry(
+            lambda: finish_open_trials(
+                self.sessions, self.storage, self.study_id, TrialState.CANCELLED, "study cancelled"
+            ),
+            "cancel trials",
+        )
 
     def run(self) -> StudyStatus:
         if self.status in TERMINAL:

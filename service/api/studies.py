@@ -166,12 +166,19 @@ def get_study(session: SessionDep, study_id: StudyId) -> StudyOut:
 
 @router.post("/studies/{study_id}/cancel", response_model=StudyOut)
 def cancel(
-    request: Request, session: SessionDep, launcher: LauncherDep, study_id: StudyId
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    launcher: LauncherDep,
+    study_id: StudyId,
 ) -> StudyOut:
-    """Stop the study's Ray job and its trials; finished studies are left as they are."""
+    """Stop the study's Ray job and its trials (in Optuna's storage too); finished studies
+    are left as they are."""
     _get_study(session, study_id)
     session.close()
-    row = cancel_study(request.app.state.sessions, launcher, study_id)
+    row = cancel_study(
+        request.app.state.sessions, launcher, study_id, settings.resolved_database_url()
+    )
     assert row is not None
     return StudyOut.of(row)
 
