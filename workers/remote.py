@@ -32,7 +32,15 @@ import ray
 
 from workers.trial import MetricPoint, TrialConfig, run_trial
 
-__all__ = ["Batch", "InboxReporter", "Report", "Start", "TrialInbox", "run_trial_task"]
+__all__ = [
+    "Batch",
+    "InboxReporter",
+    "Report",
+    "Start",
+    "TrialInbox",
+    "check_gpus",
+    "run_trial_task",
+]
 
 Points = list[tuple[str, int | None, int | None, float]]
 Report = tuple[int, int, Points, str]  # (trial, step, points, execution id)
@@ -169,6 +177,24 @@ class InboxReporter:
         self._pending = []
 
 
+def check_gpus(gpu_ids: list[Any], node: str) -> None:
+    """Fail loudly when Ray gave this trial GPUs that torch cannot use (a CPU build of torch,
+    no driver): otherwise `device: auto` would quietly train on the CPU while Ray counts the
+    GPUs as busy."""
+    if not gpu_ids:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    build = f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}"
+    raise RuntimeError(
+        f"this trial asked for GPUs and Ray assigned it GPU ids {list(gpu_ids)} on {node}, "
+        f"but CUDA is not available there ({build}). Run GPU workers from an image with CUDA "
+        "torch (the Dockerfile's `gpu` target) on a node with a working NVIDIA driver."
+    )
+
+
 def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, Any]:
     """Body of the Ray task: run (or resume from checkpoint) and return the summary.
 
@@ -182,6 +208,7 @@ def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, 
     node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:12]}"
     execution = secrets.token_hex(6)
     inbox.started.remote(trial, node, started, execution)
+    check_gpus(ray.get_gpu_ids(), node)
     parsed = TrialConfig.model_validate(config)
     ckpt_dir = parsed.checkpoint.dir
     journal = Path(ckpt_dir) / JOURNAL if ckpt_dir else None
