@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -32,7 +32,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db.models import OPEN_TRIAL_STATES, Study, StudyStatus, Trial, TrialState
 from service.db.session import session_scope
 
-__all__ = ["DURATION_BUCKETS", "DatabaseCollector", "exposition", "make_registry"]
+__all__ = [
+    "DURATION_BUCKETS",
+    "DatabaseCollector",
+    "exposition",
+    "make_registry",
+    "reconcile_counter",
+]
 
 # Trials run from seconds (a smoke test) to hours (a language model on a GPU).
 DURATION_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
@@ -113,6 +119,16 @@ def make_registry(sessions: Callable[[], sessionmaker[Session]]) -> CollectorReg
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DatabaseCollector(sessions))
     return registry
+
+
+def reconcile_counter(registry: CollectorRegistry) -> Counter:
+    """Rounds of this API process's reconciler (process-local: each API process counts its
+    own), so operators and tests can see that the loop runs."""
+    return Counter(
+        "qkscope_reconcile_rounds",
+        "Rounds of the reconciler loop completed by this API process.",
+        registry=registry,
+    )
 
 
 def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
