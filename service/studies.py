@@ -8,13 +8,14 @@ study for the reconciler to launch later, never a job without a row.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from datetime import UTC
 from typing import Any
 
 import optuna
 from sqlalchemy import event, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
@@ -192,9 +193,18 @@ def optuna_storage(url: str, *, create_tables: bool = True) -> optuna.storages.R
     """Optuna's RDBStorage on the study database, with the project's SQLite pragmas."""
     url = normalize_url(url)
     pre_ping = {} if url.startswith("sqlite") else {"pool_pre_ping": True}
-    storage = optuna.storages.RDBStorage(
-        url, engine_kwargs=pre_ping, skip_table_creation=not create_tables
-    )
+    for attempt in range(3):
+        try:
+            storage = optuna.storages.RDBStorage(
+                url, engine_kwargs=pre_ping, skip_table_creation=not create_tables
+            )
+            break
+        except SQLAlchemyError:
+            # Two runners starting at once on a fresh database race to create Optuna's
+            # tables ("table ... already exists"); the loser finds them on the next try.
+            if attempt == 2:
+                raise
+            time.sleep(0.5 + attempt)
     if url.startswith("sqlite"):  # Optuna's engine gets our WAL and busy timeout too
         event.listen(storage.engine, "connect", sqlite_pragmas)
         storage.engine.dispose()  # reconnect with them
