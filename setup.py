@@ -10,7 +10,7 @@ from setuptools import find_packages, setup
 
 setup(
     packages=[
-        *find_packages(include=["service*", "workers*"]),
+        *find_packages(include=["service*", "workers*", "qkscope*"]),
         "qkscope_migrations",
         "qkscope_migrations.versions",
     ],
@@ -18,6 +18,7 @@ setup(
     package_data={
         "service": ["py.typed"],
         "workers": ["py.typed"],
+        "qkscope": ["py.typed"],  # the researcher's client package, where it exists
         "qkscope_migrations": ["script.py.mako"],
     },
 )
