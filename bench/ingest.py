@@ -97,6 +97,7 @@ def produce(
         pts = eval_points(layers, heads, step)
         reporter.report(step, pts)
         sent += len(pts)
+    reporter.flush()
     return sent, time.perf_counter() - t0
 
 
@@ -168,12 +169,12 @@ class Harness:
         while True:
             if pending:
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            reports = ray.get(inbox.drain.remote())
+            reports, _starts = ray.get(inbox.drain.remote())
             if reports:
                 tw = time.perf_counter()
                 self.runner._persist_reports(reports, inbox)
                 write_s += time.perf_counter() - tw
-                batches.append(sum(len(p) for _, _, p in reports))
+                batches.append(sum(len(p) for _, _, p, _ in reports))
             elif not pending:
                 break
         e2e = time.perf_counter() - t0

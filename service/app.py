@@ -93,6 +93,7 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
     app.include_router(export.router, dependencies=auth)
     app.include_router(importance.router, dependencies=auth)
     registry = prom.make_registry(lambda: app.state.sessions)
+    app.state.reconcile_rounds = prom.reconcile_counter(registry)
 
     def openapi() -> dict[str, Any]:
         """FastAPI's schema plus the StudySpec the raw-body POST refers to."""
@@ -155,4 +156,5 @@ async def _reconcile_forever(app: FastAPI) -> None:
                 await run_in_threadpool(reconcile, app.state.sessions, launcher, settings)
             except Exception:
                 log.exception("reconcile failed")
+        app.state.reconcile_rounds.inc()  # observable proof the loop ran (Prometheus)
         await asyncio.sleep(settings.reconcile_interval_s)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -23,6 +25,13 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="QKSCOPE_", extra="ignore")
 
     database_url: str = ""  # empty: sqlite file under home
+    # A file holding the database URL (operator-provided, e.g. a mounted secret); wins over
+    # database_url. The runner jobs get only this path, never the URL (it may hold a password).
+    database_url_file: str = ""
+    # How study runner jobs find the database: "file" (the API writes its URL to a 0600 file
+    # in home and passes the path; one machine or a shared home) or "node" (the Ray nodes have
+    # QKSCOPE_DATABASE_URL / QKSCOPE_DATABASE_URL_FILE in their own environment: compose).
+    runner_db_source: Literal["file", "node"] = "file"
     ray_address: str = ""  # dashboard URL, e.g. http://127.0.0.1:8265; empty: local head
     api_tokens: SecretStr = SecretStr("")  # comma-separated bearer tokens
     data_dir: str = ""  # root for relative task.data_dir paths in study specs
@@ -30,6 +39,9 @@ class Settings(BaseSettings):
     checkpoint_dir: str = ""  # shared storage for trial checkpoints; empty: home/checkpoints
     api_url: str = "http://127.0.0.1:8000"  # where the CLI finds the API (QKSCOPE_API_URL)
     reconcile_interval_s: float = Field(10.0, gt=0.0)
+    # Refuse studies whose resources no alive Ray node has (turn off for autoscaling clusters,
+    # whose nodes appear later; the runner then shows a waiting reason instead).
+    check_resources: bool = True
     max_job_attempts: int = Field(5, ge=1)  # runner jobs per study before it is marked FAILED
     max_body_bytes: int = Field(256 * 1024, gt=0)
     max_trials: int = Field(10_000, ge=1)
@@ -37,10 +49,33 @@ class Settings(BaseSettings):
     max_params: int = Field(200_000_000, ge=1)  # model size limit per trial
 
     def resolved_database_url(self) -> str:
-        """The database URL; the embedded default is an absolute SQLite path."""
+        """The database URL (file, else setting); the embedded default is an absolute SQLite
+        path."""
+        if self.database_url_file:
+            return Path(self.database_url_file).read_text().strip()
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.home / 'qkscope.db').resolve()}"
+
+    def runner_database_url_file(self) -> str | None:
+        """The file a runner job reads the database URL from (None: the node's environment).
+
+        With runner_db_source "file" and no operator file, the URL is written to
+        `home/runner-database-url`, readable by this user only.
+        """
+        if self.database_url_file:
+            return str(Path(self.database_url_file).resolve())
+        if self.runner_db_source == "node":
+            return None
+        path = (self.home / "runner-database-url").resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.resolved_database_url())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+        return str(path)
 
     def resolved_checkpoint_dir(self) -> str:
         return self.checkpoint_dir or str((self.home / "checkpoints").resolve())

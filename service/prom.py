@@ -7,7 +7,7 @@ jobs) that write trials. Exposed at `GET /metrics` (bearer token, like the API).
 - `qkscope_studies{status}`: studies by status (gauge; every status, zeros included)
 - `qkscope_trials{state}`: trials by state (gauge; every state, zeros included)
 - `qkscope_trial_duration_seconds{state}`: histogram of `qk_trial.duration_s` of
-  finished trials (every state but RUNNING, trials with a duration)
+  finished trials (every state but QUEUED and RUNNING, trials with a duration)
 - `qkscope_metric_rows_written_total`: metric rows stored by finished trials (counter:
   the sum of `qk_trial.metric_rows`, which the runner sets when a trial finishes)
 """
@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -29,15 +29,21 @@ from prometheus_client.exposition import choose_encoder
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.models import Study, StudyStatus, Trial, TrialState
+from service.db.models import OPEN_TRIAL_STATES, Study, StudyStatus, Trial, TrialState
 from service.db.session import session_scope
 
-__all__ = ["DURATION_BUCKETS", "DatabaseCollector", "exposition", "make_registry"]
+__all__ = [
+    "DURATION_BUCKETS",
+    "DatabaseCollector",
+    "exposition",
+    "make_registry",
+    "reconcile_counter",
+]
 
 # Trials run from seconds (a smoke test) to hours (a language model on a GPU).
 DURATION_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
                     14400.0, 43200.0, 86400.0, math.inf)  # fmt: skip
-FINISHED = [s.value for s in TrialState if s != TrialState.RUNNING]
+FINISHED = [s.value for s in TrialState if s not in OPEN_TRIAL_STATES]
 
 
 def _le(bound: float) -> str:
@@ -113,6 +119,16 @@ def make_registry(sessions: Callable[[], sessionmaker[Session]]) -> CollectorReg
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DatabaseCollector(sessions))
     return registry
+
+
+def reconcile_counter(registry: CollectorRegistry) -> Counter:
+    """Rounds of this API process's reconciler (process-local: each API process counts its
+    own), so operators and tests can see that the loop runs."""
+    return Counter(
+        "qkscope_reconcile_rounds",
+        "Rounds of the reconciler loop completed by this API process.",
+        registry=registry,
+    )
 
 
 def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:

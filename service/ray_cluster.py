@@ -251,6 +251,18 @@ class JobLauncher:
         except Exception:
             return None
 
+    def node_resources(self) -> list[dict[str, float]] | None:
+        """Total resources of each alive node (Ray's state API), or None if Ray can't say."""
+        try:
+            from ray.util.state import list_nodes
+
+            nodes = list_nodes(address=self.address, filters=[("state", "=", "ALIVE")], timeout=10)
+            out = [{k: float(v) for k, v in (n.resources_total or {}).items()} for n in nodes]
+        except Exception as e:
+            log.warning("node resources unavailable: %s", e)
+            return None
+        return out or None
+
     def list_jobs(self) -> list[Any]:
         return list(self._client.list_jobs())
 

@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import optuna
 import ray
 from optuna.trial import TrialState as OptunaState
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from sqlalchemy import Engine, event, func, select, update
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
@@ -36,6 +37,7 @@ from service.db.ingest import insert_metrics
 from service.db.models import (
     CURRENT_PENALTY_VERSION,
     NO_INDEX,
+    OPEN_TRIAL_STATES,
     SUMMARY_COLUMNS,
     Metric,
     Study,
@@ -48,22 +50,29 @@ from service.db.models import (
 from service.db.session import (
     make_engine,
     make_sessionmaker,
-    normalize_url,
     session_scope,
-    sqlite_pragmas,
     with_retry,
 )
 from service.pruning import IntermediateTracker, load_tracker
+from service.resources import unmet
 from service.spec import StudySpec, apply_params
-from service.studies import make_pruner, make_sampler, optuna_study_name
+from service.studies import (
+    finish_open_trials,
+    make_pruner,
+    make_sampler,
+    optuna_storage,
+    optuna_study_name,
+)
 from workers import metrics as M
-from workers.remote import Report, Start, TrialInbox, run_trial_task
+from workers.remote import Batch, Report, Start, TrialInbox, run_trial_task
 
 __all__ = ["main", "run_study"]
 
 log = logging.getLogger("qkscope.runner")
 _trial_task = ray.remote(run_trial_task)
-POLL_S = 0.25
+POLL_S = 1.0  # how often the loop looks for a cancel when no trial event woke it
+WAIT_CHECK_S = 10.0  # how often queued trials are checked against the cluster's nodes
+FLUSH_TIMEOUT_S = 60.0  # a finished trial waits at most this long for its last reports
 TERMINAL = {StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED}
 
 
@@ -77,6 +86,16 @@ class _Running:
     starts: int = 0  # task executions seen in this runner; Ray retries make it > 1
     reported: set[int] = field(default_factory=set)
     tracker: IntermediateTracker | None = None  # the pruned metric's evaluations so far
+    received: dict[str, int] = field(default_factory=dict)  # reports per task execution
+
+
+@dataclass
+class _Finishing:
+    """A trial whose task returned, waiting until the runner has stored all its reports."""
+
+    entry: _Running
+    result: dict[str, Any]
+    since: float
 
 
 class StudyRunner:
@@ -91,12 +110,7 @@ class StudyRunner:
                 raise LookupError(f"study {study_id} not found")
             self.spec = StudySpec.model_validate(row.spec)
             self.status = StudyStatus(row.status)
-        url = normalize_url(settings.resolved_database_url())
-        pre_ping = {} if url.startswith("sqlite") else {"pool_pre_ping": True}
-        self.storage = optuna.storages.RDBStorage(url, engine_kwargs=pre_ping)
-        if url.startswith("sqlite"):  # Optuna's engine gets our WAL and busy timeout too
-            event.listen(self.storage.engine, "connect", sqlite_pragmas)
-            self.storage.engine.dispose()  # reconnect with them
+        self.storage = optuna_storage(settings.resolved_database_url())
         self.study = optuna.create_study(
             storage=self.storage,
             study_name=optuna_study_name(study_id),
@@ -107,6 +121,9 @@ class StudyRunner:
         )
         self.running: dict[Any, _Running] = {}
         self.by_number: dict[int, _Running] = {}
+        self.finishing: dict[int, _Finishing] = {}
+        self._waiting: str | None = None
+        self._waiting_checked = -math.inf
 
     # ---- Optuna glue -------------------------------------------------------------------------
 
@@ -174,6 +191,7 @@ class StudyRunner:
                     params=params,
                     seed=seed,
                     penalty_version=CURRENT_PENALTY_VERSION,
+                    state=TrialState.QUEUED,
                 )
                 s.add(row)
                 s.flush()
@@ -208,7 +226,7 @@ class StudyRunner:
                     self.study.tell, ft.number, state=OptunaState.FAIL, skip_if_finished=True
                 )
                 with_retry(tell, "tell orphan")
-            elif row.state != TrialState.RUNNING:
+            elif row.state not in OPEN_TRIAL_STATES:
                 self._tell_recorded(trial, row)
             else:
                 self._launch(inbox, trial, dict(row.params), row.id)
@@ -234,15 +252,17 @@ class StudyRunner:
     # ---- reports ------------------------------------------------------------------------------
 
     def _record_starts(self, starts: list[Start]) -> None:
-        """Note where each task execution runs; a second start of one launch is a Ray retry."""
-        changes: dict[int, tuple[str, int]] = {}
-        for number, node in starts:
+        """Note where and when each task execution began; a second start of one launch is a
+        Ray retry. `started_at` is the task's own start time, not the launch time."""
+        changes: dict[int, tuple[str, int, float | None]] = {}
+        for number, node, at, _execution in starts:
             entry = self.by_number.get(number)
             if entry is None:
                 continue
             entry.starts += 1
-            retries = changes.get(entry.row_id, (node, 0))[1] + (1 if entry.starts > 1 else 0)
-            changes[entry.row_id] = (node, retries)
+            _, retries, first = changes.get(entry.row_id, (node, 0, None))
+            retries += 1 if entry.starts > 1 else 0
+            changes[entry.row_id] = (node, retries, at if entry.starts == 1 else first)
             if entry.starts > 1:
                 log.info("trial %d retried by Ray (execution %d) on %s", number, entry.starts, node)
         if not changes:
@@ -250,11 +270,21 @@ class StudyRunner:
 
         def write() -> None:
             with session_scope(self.sessions) as s:
-                for row_id, (node, retries) in changes.items():
+                for row_id, (node, retries, at) in changes.items():
+                    values: dict[str, Any] = {
+                        "node": node,
+                        "attempts": Trial.attempts + retries,
+                        "waiting_reason": None,
+                    }
+                    if at is not None:  # the first start: keep it across relaunches
+                        values["started_at"] = func.coalesce(
+                            Trial.started_at, datetime.fromtimestamp(at, UTC)
+                        )
+                    s.execute(update(Trial).where(Trial.id == row_id).values(**values))
                     s.execute(
                         update(Trial)
-                        .where(Trial.id == row_id)
-                        .values(node=node, attempts=Trial.attempts + retries)
+                        .where(Trial.id == row_id, Trial.state == TrialState.QUEUED)
+                        .values(state=TrialState.RUNNING)
                     )
 
         with_retry(write, "record starts")
@@ -265,10 +295,11 @@ class StudyRunner:
             return
         rows: list[dict[str, Any]] = []
         last_steps: dict[int, int] = {}
-        for number, step, points in reports:
+        for number, step, points, execution in reports:
             entry = self.by_number.get(number)
             if entry is None:
                 continue
+            entry.received[execution] = entry.received.get(execution, 0) + 1
             for name, layer, head, value in points:
                 rows.append(
                     {
@@ -301,7 +332,7 @@ class StudyRunner:
         if self.spec.pruner.kind == "none":
             return
         metric = self.spec.objectives[0].metric
-        for number, step, points in reports:
+        for number, step, points, _execution in reports:
             entry = self.by_number.get(number)
             # step 0 is the untrained model (eval_at_init): nothing to judge a run by yet
             if entry is None or step == 0 or step in entry.reported:
@@ -340,15 +371,33 @@ class StudyRunner:
     def _count_metric_rows(self, s: Session, row_id: int) -> int:
         return int(s.scalar(select(func.count()).where(Metric.trial_id == row_id)) or 0)
 
-    def _finish(self, ref: Any, entry: _Running) -> None:
+    def _collect(self, ref: Any, entry: _Running) -> None:
+        """A trial's task returned (or failed): finish it once all its reports are stored."""
         try:
-            result = ray.get(ref)
+            result: dict[str, Any] = ray.get(ref)
         except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError) as e:
             self._fail(entry, f"{type(e).__name__}: {e}")
             return
         except Exception as e:
             self._fail(entry, f"{type(e).__name__}: {str(e)[-2000:]}")
             return
+        self.finishing[entry.number] = _Finishing(entry, result, time.monotonic())
+
+    def _finish_ready(self) -> None:
+        """Finish the returned trials whose reports have all been stored (the inbox's stream
+        and a task's return value travel separately, so either may arrive first)."""
+        for number, f in list(self.finishing.items()):
+            sent = int(f.result.get("reports_sent", 0))
+            got = f.entry.received.get(str(f.result.get("execution", "")), 0)
+            if got < sent and time.monotonic() - f.since < FLUSH_TIMEOUT_S:
+                continue
+            if got < sent:
+                log.warning("trial %d: %d of %d reports arrived; finishing", number, got, sent)
+            del self.finishing[number]
+            self._finish(f.entry, f.result)
+
+    def _finish(self, entry: _Running, result: dict[str, Any]) -> None:
+        """Record a returned trial's outcome and tell Optuna."""
         summary: dict[str, Any] = result["summary"]
         status = summary["status"]
         steps = int(self.spec.base.steps)
@@ -423,6 +472,12 @@ class StudyRunner:
             row.last_step = int(summary.get("steps_done", row.last_step))
             row.finished_at = utcnow()
             row.duration_s = time.monotonic() - entry.started
+            if result.get("started_at") and result.get("finished_at"):  # the task's own clock
+                started = datetime.fromtimestamp(float(result["started_at"]), UTC)
+                row.started_at = row.started_at or started
+                row.finished_at = datetime.fromtimestamp(float(result["finished_at"]), UTC)
+                row.duration_s = float(result["finished_at"]) - float(result["started_at"])
+            row.waiting_reason = None
             row.metric_rows = self._count_metric_rows(s, entry.row_id)
 
     def _fail(self, entry: _Running, reason: str) -> None:
@@ -473,23 +528,22 @@ class StudyRunner:
     def _cancel_all(self) -> None:
         for ref in self.running:
             ray.cancel(ref, force=True)
+        for f in list(self.finishing.values()):  # returned before the cancel: keep the result
+            self._finish(f.entry, f.result)
         entries = list(self.running.values())
         self.running.clear()
+        self.finishing.clear()
+        with_retry(
+            lambda: finish_open_trials(
+                self.sessions, self.storage, self.study_id, TrialState.CANCELLED, "study cancelled"
+            ),
+            "cancel trials",
+        )
 
-        def write() -> None:
+        def recount() -> None:
+            # Cancelled here or by the API a moment ago: count what is stored now, after the
+            # last batch this runner persisted.
             with session_scope(self.sessions) as s:
-                s.execute(
-                    update(Trial)
-                    .where(
-                        Trial.id.in_([e.row_id for e in entries]),
-                        Trial.state == TrialState.RUNNING,
-                    )
-                    .values(
-                        state=TrialState.CANCELLED, finished_at=utcnow(), error="study cancelled"
-                    )
-                )
-                # Cancelled here or by the API a moment ago: count what is stored now, after
-                # the last batch this runner persisted.
                 s.execute(
                     update(Trial)
                     .where(
@@ -499,12 +553,7 @@ class StudyRunner:
                     .values(metric_rows=stored_metric_rows())
                 )
 
-        with_retry(write, "cancel trials")
-        for e in entries:
-            tell = functools.partial(
-                self.study.tell, e.trial, state=OptunaState.FAIL, skip_if_finished=True
-            )
-            with_retry(tell, "tell cancel")
+        with_retry(recount, "count cancelled trials' rows")
 
     def run(self) -> StudyStatus:
         if self.status in TERMINAL:
@@ -517,32 +566,92 @@ class StudyRunner:
         t0 = time.monotonic()
         timeout = self.spec.budget.timeout_s
         asked = with_retry(lambda: len(self.study.get_trials(deepcopy=False)), "count trials")
-        while True:
-            if self._cancelled():
-                self._cancel_all()
-                return StudyStatus.CANCELLED
-            out_of_time = timeout is not None and time.monotonic() - t0 > timeout
-            while (
-                len(self.running) < self.spec.parallelism
-                and asked < self.spec.budget.n_trials
-                and not out_of_time
-            ):
-                self._ask_and_launch(inbox)
-                asked += 1
-            if not self.running:
-                break
-            # Wake as soon as any trial ends (a free slot is refilled at once), else after POLL_S.
-            refs = list(self.running)
-            ready, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
-            if ready:
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            reports, starts = ray.get([inbox.drain.remote(), inbox.drain_starts.remote()])
-            self._record_starts(starts)
-            self._persist_reports(reports, inbox)
-            for ref in ready:
-                self._finish(ref, self.running.pop(ref))
+        # One streaming call for the study's whole life: a batch whenever trials reported.
+        stream = inbox.stream.options(num_returns="streaming").remote()
+        try:
+            while True:
+                if self._cancelled():
+                    self._cancel_all()
+                    return StudyStatus.CANCELLED
+                out_of_time = timeout is not None and time.monotonic() - t0 > timeout
+                while (
+                    len(self.running) < self.spec.parallelism
+                    and asked < self.spec.budget.n_trials
+                    and not out_of_time
+                ):
+                    self._ask_and_launch(inbox)
+                    asked += 1
+                if not self.running and not self.finishing:
+                    break
+                # Wake when a trial ends or reports, else after POLL_S to look for a cancel.
+                refs = list(self.running)
+                ready, _ = ray.wait([*refs, stream], num_returns=1, timeout=POLL_S)
+                if refs:
+                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                self._on_batches(self._take_batches(stream), inbox)
+                for ref in ready:
+                    self._collect(ref, self.running.pop(ref))
+                self._finish_ready()
+                self._check_waiting()
+        finally:
+            inbox.close.remote()
         self._set_status(StudyStatus.COMPLETED)
         return StudyStatus.COMPLETED
+
+    def _check_waiting(self) -> None:
+        """Trials that Ray has not started, when no alive node can ever run one: say so on
+        the study and its queued trials (Ray would keep them pending without a word)."""
+        now = time.monotonic()
+        if now - self._waiting_checked < WAIT_CHECK_S:
+            return
+        self._waiting_checked = now
+        queued = [e.row_id for e in self.running.values() if e.starts == 0]
+        reason = None
+        if queued:
+            alive = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
+            nodes = [dict(n.get("Resources") or {}) for n in alive]
+            res = self.spec.resources
+            if problems := unmet(res.cpus, res.gpus, nodes):
+                reason = (
+                    "; ".join(f"{f}: {m}" for f, m in problems)
+                    + ". Ray keeps the trials queued until such a node joins; cancel the study"
+                    " or add one."
+                )
+        if reason == self._waiting:
+            return
+        self._waiting = reason
+        log.warning("study %d: %s", self.study_id, reason or "trials are starting again")
+
+        def write() -> None:
+            with session_scope(self.sessions) as s:
+                s.execute(
+                    update(Study).where(Study.id == self.study_id).values(waiting_reason=reason)
+                )
+                s.execute(
+                    update(Trial)
+                    .where(Trial.id.in_(queued), Trial.state == TrialState.QUEUED)
+                    .values(waiting_reason=reason)
+                )
+
+        with_retry(write, "waiting reason")
+
+    def _take_batches(self, stream: Any) -> list[Batch]:
+        """Every batch the inbox's stream has ready now (never waits)."""
+        batches: list[Batch] = []
+        while ray.wait([stream], num_returns=1, timeout=0)[0]:
+            try:
+                ref = next(stream)
+            except StopIteration:
+                break
+            batches.append(ray.get(ref))
+        return batches
+
+    def _on_batches(self, batches: list[Batch], inbox: Any) -> None:
+        """Starts first (they say where and when trials run), then reports in one write."""
+        reports: list[Report] = [r for rs, _ in batches for r in rs]
+        starts: list[Start] = [st for _, sts in batches for st in sts]
+        self._record_starts(starts)
+        self._persist_reports(reports, inbox)
 
 
 def run_study(study_id: int, settings: Settings | None = None) -> StudyStatus:

@@ -8,23 +8,34 @@ study for the reconciler to launch later, never a job without a row.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from datetime import UTC
 from typing import Any
 
 import optuna
-from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import event, select, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.db.models import Study, StudyStatus, Trial, TrialState, stored_metric_rows, utcnow
-from service.db.session import session_scope
+from service.db.models import (
+    OPEN_TRIAL_STATES,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialState,
+    stored_metric_rows,
+    utcnow,
+)
+from service.db.session import normalize_url, session_scope, sqlite_pragmas
 from service.ray_cluster import JobLauncher
 from service.spec import StudySpec
 
 __all__ = [
     "cancel_study",
+    "finish_open_trials",
+    "optuna_storage",
     "create_study",
     "launch_study",
     "make_pruner",
@@ -135,11 +146,15 @@ def _insert_study(
 
 
 def runner_env(settings: Settings) -> dict[str, str]:
-    """What the study's Ray job needs to find the database, data and checkpoints."""
-    env = {
-        "QKSCOPE_DATABASE_URL": settings.resolved_database_url(),
-        "QKSCOPE_CHECKPOINT_DIR": settings.resolved_checkpoint_dir(),
-    }
+    """What the study's Ray job needs to find the database, data and checkpoints.
+
+    Never the database URL itself: a job's runtime_env is shown by Ray's jobs API (and the
+    dashboard) to every holder of the Ray token. The runner reads the URL from a file or
+    from its node's environment (`Settings.runner_database_url_file`).
+    """
+    env = {"QKSCOPE_CHECKPOINT_DIR": settings.resolved_checkpoint_dir()}
+    if url_file := settings.runner_database_url_file():
+        env["QKSCOPE_DATABASE_URL_FILE"] = url_file
     if settings.data_dir:
         env["QKSCOPE_DATA_DIR"] = settings.data_dir
     return env
@@ -182,10 +197,83 @@ def launch_study(
     return job_id
 
 
+def optuna_storage(url: str, *, create_tables: bool = True) -> optuna.storages.RDBStorage:
+    """Optuna's RDBStorage on the study database, with the project's SQLite pragmas."""
+    url = normalize_url(url)
+    pre_ping = {} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    for attempt in range(3):
+        try:
+            storage = optuna.storages.RDBStorage(
+                url, engine_kwargs=pre_ping, skip_table_creation=not create_tables
+            )
+            break
+        except SQLAlchemyError:
+            # Two runners starting at once on a fresh database race to create Optuna's
+            # tables ("table ... already exists"); the loser finds them on the next try.
+            if attempt == 2:
+                raise
+            time.sleep(0.5 + attempt)
+    if url.startswith("sqlite"):  # Optuna's engine gets our WAL and busy timeout too
+        event.listen(storage.engine, "connect", sqlite_pragmas)
+        storage.engine.dispose()  # reconnect with them
+    return storage
+
+
+def finish_open_trials(
+    sessions: sessionmaker[Session],
+    storage: optuna.storages.BaseStorage | None,
+    study_id: int,
+    state: TrialState,
+    reason: str,
+) -> int:
+    """The one way a study's unfinished trials end without a result (cancel, give up).
+
+    Our QUEUED/RUNNING rows become `state` with `reason`, and the study's RUNNING trials in
+    Optuna's storage are finished as FAIL (user attr `qkscope_status`), so a runner job that
+    died before it saw the cancel leaves no Optuna trial RUNNING for good. Trials that
+    finished meanwhile keep their result in both. Returns how many rows were closed.
+    """
+    with session_scope(sessions) as s:
+        closed = s.execute(
+            update(Trial)
+            .where(Trial.study_id == study_id, Trial.state.in_(OPEN_TRIAL_STATES))
+            .values(
+                state=state,
+                finished_at=utcnow(),
+                error=reason,
+                waiting_reason=None,
+                metric_rows=stored_metric_rows(),
+            )
+        ).rowcount  # type: ignore[attr-defined]
+    if storage is not None:
+        _fail_optuna_trials(storage, study_id, state.value.lower())
+    return int(closed or 0)
+
+
+def _fail_optuna_trials(storage: optuna.storages.BaseStorage, study_id: int, status: str) -> None:
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import TrialState as OptunaState
+
+    try:
+        optuna_id = storage.get_study_id_from_name(optuna_study_name(study_id))
+    except Exception:  # never launched: Optuna has no such study (or no tables) yet
+        return
+    for t in storage.get_all_trials(optuna_id, deepcopy=False, states=(OptunaState.RUNNING,)):
+        try:
+            storage.set_trial_user_attr(t._trial_id, "qkscope_status", status)
+            storage.set_trial_state_values(t._trial_id, OptunaState.FAIL)
+        except UpdateFinishedTrialError:  # the runner told it first
+            continue
+
+
 def cancel_study(
-    sessions: sessionmaker[Session], launcher: JobLauncher | None, study_id: int
+    sessions: sessionmaker[Session],
+    launcher: JobLauncher | None,
+    study_id: int,
+    database_url: str | None = None,
 ) -> Study | None:
-    """Mark the study CANCELLED, stop its Ray job, and mark its running trials cancelled."""
+    """Mark the study CANCELLED, stop its Ray job, and cancel its unfinished trials (ours and
+    Optuna's, through `finish_open_trials`; Optuna's when `database_url` is given)."""
     with session_scope(sessions) as s:
         row = s.get(Study, study_id)
         if row is None:
@@ -193,20 +281,17 @@ def cancel_study(
         if row.status in (StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED):
             return row
         row.status, row.finished_at = StudyStatus.CANCELLED, utcnow()
+        row.waiting_reason = None
         job_id = row.ray_job_id
     if launcher is not None and job_id:
         launcher.stop(job_id)
+    storage = optuna_storage(database_url) if database_url else None
+    try:
+        finish_open_trials(sessions, storage, study_id, TrialState.CANCELLED, "study cancelled")
+    finally:
+        if isinstance(storage, optuna.storages.RDBStorage):
+            storage.engine.dispose()
     with session_scope(sessions) as s:
-        s.execute(
-            update(Trial)
-            .where(Trial.study_id == study_id, Trial.state == TrialState.RUNNING)
-            .values(
-                state=TrialState.CANCELLED,
-                finished_at=utcnow(),
-                error="study cancelled",
-                metric_rows=stored_metric_rows(),
-            )
-        )
         row = s.get(Study, study_id)
     return row
 
@@ -249,7 +334,7 @@ def reconcile(
         if status == StudyStatus.RUNNING and job_status == "SUCCEEDED":
             continue  # finished between our read and Ray's answer; the row will say so
         if attempts >= settings.max_job_attempts:
-            _give_up(sessions, study_id, job_id, job_status, attempts)
+            _give_up(sessions, settings, study_id, job_id, job_status, attempts)
             continue
         log.info("study %s: job %s is %s; submitting", study_id, job_id, job_status)
         try:
@@ -262,6 +347,7 @@ def reconcile(
 
 def _give_up(
     sessions: sessionmaker[Session],
+    settings: Settings,
     study_id: int,
     job_id: str | None,
     job_status: str | None,
@@ -279,8 +365,10 @@ def _give_up(
             .where(Study.id == study_id, Study.status.in_(LIVE))
             .values(status=StudyStatus.FAILED, finished_at=utcnow(), error=reason)
         )
-        s.execute(
-            update(Trial)
-            .where(Trial.study_id == study_id, Trial.state == TrialState.RUNNING)
-            .values(state=TrialState.FAILED, finished_at=utcnow(), error="study failed: " + reason)
+    storage = optuna_storage(settings.resolved_database_url())
+    try:
+        finish_open_trials(
+            sessions, storage, study_id, TrialState.FAILED, "study failed: " + reason
         )
+    finally:
+        storage.engine.dispose()

@@ -139,6 +139,15 @@ def test_database_urls_point_at_postgres(services: dict[str, dict[str, Any]]) ->
     assert services["api"]["depends_on"]["postgres"]["condition"] == "service_healthy"
 
 
+def test_runner_jobs_get_the_database_url_from_the_head_node(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Not through the job's runtime_env (Ray's jobs API would show the password)."""
+    assert env_of(services["api"]).get("QKSCOPE_RUNNER_DB_SOURCE") == "node"
+    assert "QKSCOPE_DATABASE_URL" in env_of(services["ray-head"])
+    assert "QKSCOPE_DATABASE_URL" not in env_of(services["ray-worker"])  # workers need none
+
+
 def test_ray_token_auth_everywhere(services: dict[str, dict[str, Any]]) -> None:
     tokens = set()
     for name, svc in services.items():
@@ -162,12 +171,73 @@ def test_worker_joins_the_head(services: dict[str, dict[str, Any]]) -> None:
     assert "ray-head" in services["ray-worker"]["depends_on"]
 
 
-def test_worker_reserves_gpus(services: dict[str, dict[str, Any]]) -> None:
-    devices = services["ray-worker"]["deploy"]["resources"]["reservations"]["devices"]
-    assert any(
-        d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) and d.get("count")
-        for d in devices
-    ), devices
+def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    reservations = (service.get("deploy") or {}).get("resources", {}).get("reservations", {})
+    return [d for d in reservations.get("devices", []) if "gpu" in d.get("capabilities", [])]
+
+
+def build_target(service: dict[str, Any]) -> str | None:
+    build = service.get("build")
+    return build.get("target") if isinstance(build, dict) else None
+
+
+def test_gpu_workers_get_one_gpu_set_each_and_cuda_torch(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Every GPU service names its own device ids (no `count: all` that every replica of
+    a scaled service would share), runs one replica, tells Ray exactly that many GPUs, and
+    is built from the Dockerfile's gpu target (CUDA torch)."""
+    gpu_services = {name: svc for name, svc in services.items() if gpu_devices(svc)}
+    assert "ray-worker" in gpu_services
+    seen: set[str] = set()
+    for name, svc in gpu_services.items():
+        ids: list[str] = []
+        for d in gpu_devices(svc):
+            assert d.get("driver") == "nvidia", name
+            assert "count" not in d, f"{name}: use device_ids, not count"
+            assert d.get("device_ids"), name
+            ids += [str(i) for i in d["device_ids"]]
+        assert not seen & set(ids), f"{name}: GPUs {seen & set(ids)} given to two services"
+        seen |= set(ids)
+        assert (svc.get("deploy") or {}).get("replicas", 1) == 1, name
+        assert flag(argv_of(svc), "--num-gpus") == str(len(ids)), name
+        assert build_target(svc) == "gpu", name
+    for name, svc in services.items():
+        if name not in gpu_services and (svc.get("build") or argv_of(svc)[:1] == ["ray"]):
+            assert build_target(svc) == "cpu", name  # no CUDA torch where no GPU is
+            assert flag(argv_of(svc), "--num-gpus") in (None, "0"), name
+
+
+def dockerfile_stages() -> dict[str, str]:
+    """Each build stage's text by its name (`FROM ... AS name`)."""
+    code = "\n".join(
+        ln for ln in DOCKERFILE.read_text().splitlines() if not ln.lstrip().startswith("#")
+    )
+    parts = re.split(r"^FROM\s+", code, flags=re.MULTILINE)[1:]
+    stages = {}
+    for part in parts:
+        m = re.match(r"(\S+)(?:\s+AS\s+(\S+))?", part)
+        assert m, part
+        stages[m.group(2) or m.group(1)] = part
+    return stages
+
+
+def test_dockerfile_cpu_and_gpu_targets_carry_the_right_torch() -> None:
+    stages = dockerfile_stages()
+    assert {"cpu", "gpu"} <= set(stages)
+    pin = torch_pin()
+    for target, index in (("cpu", "/whl/cpu"), ("gpu", "/whl/cu")):
+        text = stages[target]
+        args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.MULTILINE))
+        urls = [v for k, v in args.items() if k.endswith("INDEX_URL")]
+        assert len(urls) == 1 and index in urls[0], (target, urls)
+        assert re.search(r'pip install --index-url "\$\{\w*INDEX_URL\}" "torch==', text), target
+        # The project from its wheel, not editable, after torch.
+        assert re.search(r"^RUN pip install /wheels/qkscope-\*\.whl", text, re.MULTILINE), target
+        assert not re.search(r"pip install[^\n]*\s-e\s", text), target
+        assert text.index("torch==") < text.index("/wheels/qkscope")
+    head_args = dict(re.findall(r"^ARG (\w+)=(\S+)", DOCKERFILE.read_text(), re.MULTILINE))
+    assert head_args["TORCH_VERSION"] == pin
 
 
 def test_published_ports(services: dict[str, dict[str, Any]]) -> None:
@@ -230,24 +300,18 @@ def test_api_serves_publicly_only_with_tokens(services: dict[str, dict[str, Any]
     assert env.get("QKSCOPE_RAY_ADDRESS")  # no embedded Ray head inside the api container
 
 
-def test_dockerfile_installs_the_project_with_the_pinned_torch() -> None:
+def test_dockerfile_builds_the_project_wheel_with_its_migrations() -> None:
     text = DOCKERFILE.read_text()
     code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
     assert re.search(r"^FROM python:3\.11-slim\b", code, re.MULTILINE)
-    assert re.search(r"pip install\b[^\n]*?(?:-e\s+)?\.(?:\s|$)", code), "pip install . missing"
-    for src in (
-        "service/",
-        "workers/",
-        "migrations/",
-        "study_defs/",
-        "pyproject.toml",
-        "README.md",
-    ):
-        assert re.search(rf"^COPY\b[^\n]*\b{re.escape(src)}", code, re.MULTILINE), src
-    pin = torch_pin()
-    args = dict(re.findall(r"^ARG (\w+)=(\S+)", code, re.MULTILINE))
-    assert args.get("TORCH_VERSION", pin) == pin
-    assert "TORCH_INDEX_URL" in args
+    wheel = dockerfile_stages()["wheel"]
+    assert re.search(r"pip wheel --no-deps --wheel-dir /wheels \.(?:\s|$)", wheel)
+    for src in ("service/", "workers/", "migrations/", "pyproject.toml", "setup.py", "README.md"):
+        assert re.search(rf"^COPY\b[^\n]*\b{re.escape(src)}", wheel, re.MULTILINE), src
+    assert re.search(r"^COPY\b[^\n]*\bstudy_defs/", code, re.MULTILINE)
+    # setup.py ships migrations/ in the wheel (tests/test_packaging.py builds and checks it).
+    setup = (ROOT / "setup.py").read_text()
+    assert '"qkscope_migrations": "migrations"' in setup
     literal = re.findall(r"torch\s*[=<>~!]=?\s*([0-9][\w.+]*)", code)
-    assert all(v == pin for v in literal), literal
+    assert all(v == torch_pin() for v in literal), literal
     assert not re.search(r"(PASSWORD|TOKEN|SECRET)\w*\s*=", code), "no secrets in the image"

@@ -40,6 +40,9 @@ class StudyOut(BaseModel):
     job_attempts: int
     optuna_study_name: str
     error: str | None
+    waiting_reason: str | None = Field(
+        None, description="Why the study's trials are not starting (e.g. no node has a GPU)."
+    )
     created_at: UtcDatetime
     started_at: UtcDatetime | None
     finished_at: UtcDatetime | None
@@ -76,7 +79,10 @@ class TrialOut(BaseModel):
     rank_collapse: bool | None
     trapped: bool | None
     error: str | None
-    started_at: UtcDatetime
+    waiting_reason: str | None = Field(None, description="Why a QUEUED trial is not starting.")
+    started_at: UtcDatetime | None = Field(
+        description="When the trial's Ray task really started; null while QUEUED."
+    )
     finished_at: UtcDatetime | None
     duration_s: float | None
     summary: dict[str, Any] | None = None

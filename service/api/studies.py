@@ -16,6 +16,7 @@ from service.api.errors import ApiError, validation_errors
 from service.api.schemas import FieldError, Page, StudyOut, TrialOut
 from service.db import queries
 from service.db.models import Study, StudyStatus, Trial, TrialState
+from service.resources import unmet
 from service.spec import SpecError, StudySpec, check_limits, parse_spec
 from service.studies import cancel_study, create_study, launch_study
 
@@ -126,6 +127,16 @@ async def submit_study(
     if limit_errors:
         errors = [FieldError(field=e.field, message=e.message) for e in limit_errors]
         raise ApiError(422, "limit_exceeded", "; ".join(str(e) for e in limit_errors), errors)
+    if launcher is not None and settings.check_resources:
+        nodes = await run_in_threadpool(launcher.node_resources)
+        unmet_ = unmet(spec.resources.cpus, spec.resources.gpus, nodes) if nodes else []
+        if unmet_:
+            raise ApiError(
+                422,
+                "unsatisfiable_resources",
+                "; ".join(f"{f}: {m}" for f, m in unmet_),
+                [FieldError(field=f, message=m) for f, m in unmet_],
+            )
     sessions = request.app.state.sessions
     row, created = create_study(sessions, spec, idempotency_key)
     if not created:
@@ -170,12 +181,19 @@ def get_study(session: SessionDep, study_id: StudyId) -> StudyOut:
 
 @router.post("/studies/{study_id}/cancel", response_model=StudyOut)
 def cancel(
-    request: Request, session: SessionDep, launcher: LauncherDep, study_id: StudyId
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    launcher: LauncherDep,
+    study_id: StudyId,
 ) -> StudyOut:
-    """Stop the study's Ray job and its trials; finished studies are left as they are."""
+    """Stop the study's Ray job and its trials (in Optuna's storage too); finished studies
+    are left as they are."""
     _get_study(session, study_id)
     session.close()
-    row = cancel_study(request.app.state.sessions, launcher, study_id)
+    row = cancel_study(
+        request.app.state.sessions, launcher, study_id, settings.resolved_database_url()
+    )
     assert row is not None
     return StudyOut.of(row)
 

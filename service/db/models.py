@@ -32,6 +32,7 @@ from workers.metric_names import COLUMN_SUMMARIES
 
 __all__ = [
     "CURRENT_PENALTY_VERSION",
+    "OPEN_TRIAL_STATES",
     "Base",
     "Metric",
     "Study",
@@ -67,12 +68,16 @@ class StudyStatus(enum.StrEnum):
 
 
 class TrialState(enum.StrEnum):
+    QUEUED = "QUEUED"  # launched, but Ray has not started its task yet
     RUNNING = "RUNNING"
     COMPLETE = "COMPLETE"
     PRUNED = "PRUNED"
     DIVERGED = "DIVERGED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+
+
+OPEN_TRIAL_STATES = (TrialState.QUEUED, TrialState.RUNNING)  # not finished yet
 
 
 class Base(DeclarativeBase):
@@ -100,6 +105,8 @@ class Study(Base):
     job_attempts: Mapped[int] = mapped_column(Integer, default=0)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None, unique=True)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    # Why trials are not starting (e.g. no node can provide the resources); None when they do.
+    waiting_reason: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
@@ -116,7 +123,7 @@ class Trial(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     study_id: Mapped[int] = mapped_column(ForeignKey("qk_study.id", ondelete="CASCADE"))
     number: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16), default=TrialState.RUNNING)
+    state: Mapped[str] = mapped_column(String(16), default=TrialState.QUEUED)
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     seed: Mapped[int] = mapped_column(Integer, default=0)
     attempts: Mapped[int] = mapped_column(Integer, default=1)
@@ -140,7 +147,9 @@ class Trial(Base):
     entropy_collapse: Mapped[bool | None] = mapped_column(Boolean, default=None)
     rank_collapse: Mapped[bool | None] = mapped_column(Boolean, default=None)
     trapped: Mapped[bool | None] = mapped_column(Boolean, default=None)
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    waiting_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    # When the trial's Ray task really started (None while QUEUED); set by the task itself.
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     duration_s: Mapped[float | None] = mapped_column(Float, default=None)
 

@@ -10,7 +10,15 @@ from typing import Any
 from sqlalchemy import ColumnElement, Row, and_, case, func, select
 from sqlalchemy.orm import Session
 
-from service.db.models import NO_INDEX, SUMMARY_COLUMNS, Metric, Study, Trial, TrialState
+from service.db.models import (
+    NO_INDEX,
+    OPEN_TRIAL_STATES,
+    SUMMARY_COLUMNS,
+    Metric,
+    Study,
+    Trial,
+    TrialState,
+)
 from workers.metric_names import FLAG_SUMMARIES, SUMMARY_NAMES
 
 __all__ = [
@@ -240,7 +248,7 @@ def study_summary(s: Session, study: Study) -> dict[str, Any]:
     )
     best_col = Trial.value.desc() if directions[:1] == ["maximize"] else Trial.value.asc()
     best = s.scalars(best_q.order_by(best_col).limit(1)).first()
-    done = sum(by_state[k] for k in by_state if k != TrialState.RUNNING)
+    done = sum(by_state[k] for k in by_state if k not in OPEN_TRIAL_STATES)
     eta = None
     parallel = int(study.spec.get("parallelism", 1))
     if agg[4] is not None and study.status == "RUNNING":

@@ -817,10 +817,10 @@ def test_summary_matches_independent_sql_and_python(
                 {"sid": sid},
             ).all()
         )
-    states = ("RUNNING", "COMPLETE", "PRUNED", "DIVERGED", "FAILED", "CANCELLED")
+    states = ("QUEUED", "RUNNING", "COMPLETE", "PRUNED", "DIVERGED", "FAILED", "CANCELLED")
     assert got["trials_by_state"] == {s: int(counts.get(s, 0)) for s in states}
     assert sum(got["trials_by_state"].values()) == len(TRIALS)
-    finished = len(TRIALS) - counts["RUNNING"]
+    finished = len(TRIALS) - counts.get("RUNNING", 0) - counts.get("QUEUED", 0)
     assert got["finished"] == finished
     assert got["progress"] == pytest.approx(finished / N_TRIALS_BUDGET)
     measured = [d for d in seeded["trials"] if d["state"] in ("COMPLETE", "PRUNED", "DIVERGED")]
@@ -848,7 +848,7 @@ def test_summary_of_empty_study_and_404(client: TestClient) -> None:
     sid = create(client, spec("empty"))["id"]
     got = client.get(f"/v1/studies/{sid}/summary").json()
     assert got["trials_by_state"] == dict.fromkeys(
-        ("RUNNING", "COMPLETE", "PRUNED", "DIVERGED", "FAILED", "CANCELLED"), 0
+        ("QUEUED", "RUNNING", "COMPLETE", "PRUNED", "DIVERGED", "FAILED", "CANCELLED"), 0
     )
     assert got["finished"] == 0 and got["progress"] == 0.0 and got["best_value"] is None
     assert got["entropy_collapse_rate"] is None and got["best_trial_id"] is None

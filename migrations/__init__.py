@@ -1,0 +1,1 @@
+"""Alembic migrations of qkscope's tables, shipped as the package `qkscope_migrations`."""
