@@ -24,7 +24,7 @@ import qkscope.client
 from qkscope import ApiError, Client, ConnectError, Plot, Study, Trial
 from qkscope.progress import make_progress
 from service.config import Settings
-from service.db.models import Metric
+from service.db.models import Metric, utcnow
 from service.db.models import Study as StudyRow
 from service.db.models import Trial as TrialRow
 from tests.conftest import ROOT, free_port
@@ -80,6 +80,7 @@ def seeded(qk: Client, engine: Engine) -> dict[str, Any]:
                     min_norm_entropy=mne,
                     trapped=trapped,
                     penalty_version=1 if n == 0 else 2,
+                    started_at=utcnow(),
                 )
             )
         s.commit()
