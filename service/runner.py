@@ -1,7 +1,8 @@
 """The Ray Job entrypoint of one study: `python -m service.runner <study_id>`.
 
 Drives Optuna with ask/tell against RDBStorage in the study's own database,
-keeps `parallelism` trials in flight as Ray tasks named `study-<id>/trial-<n>`,
+keeps `parallelism` Ray tasks in flight (one trial each, or a fused group of up to
+`fuse` trials each: see service/dispatch.py),
 persists every report in one transaction per batch (a crash leaves whole
 batches or nothing; replays are no-ops thanks to the metric primary key),
 answers pruning questions, tells Optuna each result, and marks the study
@@ -20,9 +21,9 @@ import math
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import optuna
@@ -53,9 +54,10 @@ from service.db.session import (
     session_scope,
     with_retry,
 )
+from service.dispatch import Planned, plan_groups, submit, suggest, trial_config
 from service.pruning import IntermediateTracker, load_tracker
 from service.resources import unmet
-from service.spec import StudySpec, apply_params
+from service.spec import StudySpec
 from service.studies import (
     finish_open_trials,
     make_pruner,
@@ -64,12 +66,11 @@ from service.studies import (
     optuna_study_name,
 )
 from workers import metrics as M
-from workers.remote import Batch, Report, Start, TrialInbox, run_trial_task
+from workers.remote import Batch, Report, Start, TrialInbox
 
 __all__ = ["main", "run_study"]
 
 log = logging.getLogger("qkscope.runner")
-_trial_task = ray.remote(run_trial_task)
 POLL_S = 1.0  # how often the loop looks for a cancel when no trial event woke it
 WAIT_CHECK_S = 10.0  # how often queued trials are checked against the cluster's nodes
 FLUSH_TIMEOUT_S = 60.0  # a finished trial waits at most this long for its last reports
@@ -119,85 +120,64 @@ class StudyRunner:
             pruner=make_pruner(self.spec),
             load_if_exists=True,
         )
-        self.running: dict[Any, _Running] = {}
+        self.running: dict[Any, list[_Running]] = {}  # a Ray task -> its trial(s)
+        self.pending: deque[list[Planned]] = deque()  # asked groups waiting for a free slot
         self.by_number: dict[int, _Running] = {}
         self.finishing: dict[int, _Finishing] = {}
         self._waiting: str | None = None
         self._waiting_checked = -math.inf
 
-    # ---- Optuna glue -------------------------------------------------------------------------
+    # ---- asking and launching ------------------------------------------------------------
 
-    def _trial_config(self, params: dict[str, Any], number: int) -> dict[str, Any]:
-        config = apply_params(self.spec.base, params)
-        task = config.task
-        if task.data_dir and not Path(task.data_dir).is_absolute() and self.settings.data_dir:
-            task = task.model_copy(
-                update={"data_dir": str(Path(self.settings.data_dir) / task.data_dir)}
+    def _launch(self, inbox: Any, group: list[Planned]) -> None:
+        """One Ray task for the group (a single trial or a fused group)."""
+        configs = [
+            trial_config(self.spec, self.settings, self.study_id, p.params, p.number) for p in group
+        ]
+        ref = submit(self.spec, self.study_id, group, configs, inbox)
+        now = time.monotonic()
+        entries = [
+            _Running(trial=p.trial, row_id=p.row_id, number=p.number, started=now) for p in group
+        ]
+        self.running[ref] = entries
+        for entry in entries:
+            self.by_number[entry.number] = entry
+
+    def _queue(self, planned: list[Planned]) -> None:
+        """Group planned trials (by fusion key when `fuse > 1`) and queue the groups."""
+        configs = [
+            trial_config(self.spec, self.settings, self.study_id, p.params, p.number)
+            for p in planned
+        ]
+        self.pending.extend(group for group, _ in plan_groups(self.spec, planned, configs))
+
+    def _launch_pending(self, inbox: Any) -> None:
+        while self.pending and len(self.running) < self.spec.parallelism:
+            self._launch(inbox, self.pending.popleft())
+
+    def _insert(self, number: int, params: dict[str, Any]) -> int:
+        with session_scope(self.sessions) as s:
+            row = Trial(
+                study_id=self.study_id,
+                number=number,
+                params=params,
+                seed=int(params.get("seed", self.spec.base.seed)),
+                penalty_version=CURRENT_PENALTY_VERSION,
+                state=TrialState.QUEUED,
             )
-        ckpt_dir = (
-            Path(self.settings.resolved_checkpoint_dir())
-            / f"study-{self.study_id}"
-            / f"trial-{number}"
-        )
-        config = config.model_copy(
-            update={
-                "task": task,
-                "checkpoint": config.checkpoint.model_copy(update={"dir": str(ckpt_dir)}),
-            }
-        )
-        return config.model_dump(mode="json", by_alias=True)
+            s.add(row)
+            s.flush()
+            return row.id
 
-    def _suggest(self, trial: optuna.Trial) -> dict[str, Any]:
-        params: dict[str, Any] = {}
-        for path, p in self.spec.search_space.items():
-            if p.type == "fixed":
-                params[path] = p.value
-            elif p.type == "categorical":
-                params[path] = trial.suggest_categorical(path, p.choices)
-            elif p.type == "float":
-                params[path] = trial.suggest_float(path, p.low, p.high, log=p.log)
-            else:
-                params[path] = trial.suggest_int(path, p.low, p.high, log=p.log, step=p.step)
-        return params
-
-    # ---- launching -------------------------------------------------------------------------
-
-    def _launch(self, inbox: Any, trial: optuna.Trial, params: dict[str, Any], row_id: int) -> None:
-        number = trial.number
-        config = self._trial_config(params, number)
-        res = self.spec.resources
-        task = _trial_task.options(  # type: ignore[attr-defined]
-            name=f"study-{self.study_id}/trial-{number}",
-            num_cpus=res.cpus,
-            num_gpus=res.gpus,
-            max_retries=self.spec.max_retries,
-            retry_exceptions=False,
-        )
-        ref = task.remote(config, number, inbox)
-        entry = _Running(trial=trial, row_id=row_id, number=number, started=time.monotonic())
-        self.running[ref] = entry
-        self.by_number[number] = entry
-
-    def _ask_and_launch(self, inbox: Any) -> None:
-        trial = with_retry(self.study.ask, "ask")
-        params = with_retry(lambda: self._suggest(trial), "suggest")
-        seed = int(params.get("seed", self.spec.base.seed))
-
-        def insert() -> int:
-            with session_scope(self.sessions) as s:
-                row = Trial(
-                    study_id=self.study_id,
-                    number=trial.number,
-                    params=params,
-                    seed=seed,
-                    penalty_version=CURRENT_PENALTY_VERSION,
-                    state=TrialState.QUEUED,
-                )
-                s.add(row)
-                s.flush()
-                return row.id
-
-        self._launch(inbox, trial, params, with_retry(insert, "insert trial"))
+    def _ask(self, n: int) -> None:
+        """Ask Optuna for `n` trials, one after another, record them QUEUED and queue them."""
+        planned: list[Planned] = []
+        for _ in range(n):
+            trial = with_retry(self.study.ask, "ask")
+            params = with_retry(functools.partial(suggest, self.spec, trial), "suggest")
+            insert = functools.partial(self._insert, trial.number, params)
+            planned.append(Planned(trial, params, with_retry(insert, "insert trial")))
+        self._queue(planned)
 
     def _resume_orphans(self, inbox: Any) -> None:
         """Trials Optuna still has RUNNING after a dead runner.
@@ -207,6 +187,7 @@ class StudyRunner:
         run again; a running one is relaunched and resumes from its checkpoint.
         """
         orphans = self.study.get_trials(deepcopy=False, states=(OptunaState.RUNNING,))
+        relaunch: list[Planned] = []
         for ft in orphans:
 
             def claim(number: int = ft.number) -> Trial | None:
@@ -229,8 +210,9 @@ class StudyRunner:
             elif row.state not in OPEN_TRIAL_STATES:
                 self._tell_recorded(trial, row)
             else:
-                self._launch(inbox, trial, dict(row.params), row.id)
-                log.info("relaunched trial %d (attempt %d)", ft.number, row.attempts)
+                relaunch.append(Planned(trial, dict(row.params), row.id))
+                log.info("relaunching trial %d (attempt %d)", ft.number, row.attempts)
+        self._queue(relaunch)  # regrouped like new trials; each member resumes on its own
 
     def _tell_recorded(self, trial: optuna.Trial, row: Trial) -> None:
         """Tell Optuna the outcome our table recorded for a finished trial."""
@@ -371,17 +353,23 @@ class StudyRunner:
     def _count_metric_rows(self, s: Session, row_id: int) -> int:
         return int(s.scalar(select(func.count()).where(Metric.trial_id == row_id)) or 0)
 
-    def _collect(self, ref: Any, entry: _Running) -> None:
-        """A trial's task returned (or failed): finish it once all its reports are stored."""
+    def _collect(self, ref: Any, entries: list[_Running]) -> None:
+        """A task returned (or failed): finish each of its trials once all its reports are
+        stored. A failed group fails every member (Ray has already used up its retries)."""
         try:
-            result: dict[str, Any] = ray.get(ref)
+            out: dict[str, Any] | list[dict[str, Any]] = ray.get(ref)
         except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError) as e:
-            self._fail(entry, f"{type(e).__name__}: {e}")
+            for entry in entries:
+                self._fail(entry, f"{type(e).__name__}: {e}")
             return
         except Exception as e:
-            self._fail(entry, f"{type(e).__name__}: {str(e)[-2000:]}")
+            for entry in entries:
+                self._fail(entry, f"{type(e).__name__}: {str(e)[-2000:]}")
             return
-        self.finishing[entry.number] = _Finishing(entry, result, time.monotonic())
+        results = out if isinstance(out, list) else [out]
+        now = time.monotonic()
+        for entry, result in zip(entries, results, strict=True):
+            self.finishing[entry.number] = _Finishing(entry, result, now)
 
     def _finish_ready(self) -> None:
         """Finish the returned trials whose reports have all been stored (the inbox's stream
@@ -530,9 +518,10 @@ class StudyRunner:
             ray.cancel(ref, force=True)
         for f in list(self.finishing.values()):  # returned before the cancel: keep the result
             self._finish(f.entry, f.result)
-        entries = list(self.running.values())
+        entries = [e for group in self.running.values() for e in group]
         self.running.clear()
         self.finishing.clear()
+        self.pending.clear()  # asked, never launched: finish_open_trials closes them below
         with_retry(
             lambda: finish_open_trials(
                 self.sessions, self.storage, self.study_id, TrialState.CANCELLED, "study cancelled"
@@ -574,14 +563,20 @@ class StudyRunner:
                     self._cancel_all()
                     return StudyStatus.CANCELLED
                 out_of_time = timeout is not None and time.monotonic() - t0 > timeout
+                self._launch_pending(inbox)
                 while (
-                    len(self.running) < self.spec.parallelism
+                    not self.pending
+                    and len(self.running) < self.spec.parallelism
                     and asked < self.spec.budget.n_trials
                     and not out_of_time
                 ):
-                    self._ask_and_launch(inbox)
-                    asked += 1
-                if not self.running and not self.finishing:
+                    # Up to `fuse` trials per free slot; grouping may leave some queued.
+                    free = self.spec.parallelism - len(self.running)
+                    n = min(self.spec.fuse * free, self.spec.budget.n_trials - asked)
+                    self._ask(n)
+                    asked += n
+                    self._launch_pending(inbox)
+                if not self.running and not self.finishing and not self.pending:
                     break
                 # Wake when a trial ends or reports, else after POLL_S to look for a cancel.
                 refs = list(self.running)
@@ -605,7 +600,7 @@ class StudyRunner:
         if now - self._waiting_checked < WAIT_CHECK_S:
             return
         self._waiting_checked = now
-        queued = [e.row_id for e in self.running.values() if e.starts == 0]
+        queued = [e.row_id for group in self.running.values() for e in group if e.starts == 0]
         reason = None
         if queued:
             alive = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
