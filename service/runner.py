@@ -8,6 +8,11 @@ batches or nothing; replays are no-ops thanks to the metric primary key),
 answers pruning questions, tells Optuna each result, and marks the study
 COMPLETED, FAILED or CANCELLED.
 
+The runner in parts, each readable alone: service/dispatch.py turns asked trials into
+(fused) groups and Ray tasks; service/trial_events.py stores the inbox's starts and reports
+and decides pruning; this module asks and tells Optuna, finishes, fails and cancels trials,
+resumes after a crash, and runs the loop.
+
 A rerun of the same study (after the job or the cluster died) picks up where
 the database says it stopped: trials that were running are relaunched with
 the same parameters and resume from their checkpoints.
@@ -22,7 +27,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,10 +39,8 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
-from service.db.ingest import insert_metrics
 from service.db.models import (
     CURRENT_PENALTY_VERSION,
-    NO_INDEX,
     OPEN_TRIAL_STATES,
     SUMMARY_COLUMNS,
     Metric,
@@ -55,7 +58,6 @@ from service.db.session import (
     with_retry,
 )
 from service.dispatch import Planned, plan_groups, submit, suggest, trial_config
-from service.pruning import IntermediateTracker, load_tracker
 from service.resources import unmet
 from service.spec import StudySpec
 from service.studies import (
@@ -65,8 +67,9 @@ from service.studies import (
     optuna_storage,
     optuna_study_name,
 )
+from service.trial_events import Running, TrialEvents, take_batches
 from workers import metrics as M
-from workers.remote import Batch, Report, Start, TrialInbox
+from workers.remote import TrialInbox
 
 __all__ = ["main", "run_study"]
 
@@ -78,23 +81,10 @@ TERMINAL = {StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED}
 
 
 @dataclass
-class _Running:
-    trial: optuna.Trial
-    row_id: int
-    number: int
-    started: float
-    last_step: int = 0
-    starts: int = 0  # task executions seen in this runner; Ray retries make it > 1
-    reported: set[int] = field(default_factory=set)
-    tracker: IntermediateTracker | None = None  # the pruned metric's evaluations so far
-    received: dict[str, int] = field(default_factory=dict)  # reports per task execution
-
-
-@dataclass
 class _Finishing:
     """A trial whose task returned, waiting until the runner has stored all its reports."""
 
-    entry: _Running
+    entry: Running
     result: dict[str, Any]
     since: float
 
@@ -120,9 +110,10 @@ class StudyRunner:
             pruner=make_pruner(self.spec),
             load_if_exists=True,
         )
-        self.running: dict[Any, list[_Running]] = {}  # a Ray task -> its trial(s)
+        self.running: dict[Any, list[Running]] = {}  # a Ray task -> its trial(s)
         self.pending: deque[list[Planned]] = deque()  # asked groups waiting for a free slot
-        self.by_number: dict[int, _Running] = {}
+        self.by_number: dict[int, Running] = {}
+        self.events = TrialEvents(self.spec, self.sessions, self.by_number)
         self.finishing: dict[int, _Finishing] = {}
         self._waiting: str | None = None
         self._waiting_checked = -math.inf
@@ -137,7 +128,7 @@ class StudyRunner:
         ref = submit(self.spec, self.study_id, group, configs, inbox)
         now = time.monotonic()
         entries = [
-            _Running(trial=p.trial, row_id=p.row_id, number=p.number, started=now) for p in group
+            Running(trial=p.trial, row_id=p.row_id, number=p.number, started=now) for p in group
         ]
         self.running[ref] = entries
         for entry in entries:
@@ -225,115 +216,11 @@ class StudyRunner:
                 self.spec.objectives, row.values or [None] * len(self.spec.objectives), strict=False
             )
         ]
-        entry = _Running(trial=trial, row_id=row.id, number=row.number, started=time.monotonic())
+        entry = Running(trial=trial, row_id=row.id, number=row.number, started=time.monotonic())
         status = str(summary.get("status", "completed"))
         state = TrialState(row.state)
         with_retry(lambda: self._tell(entry, status, state, values, constraints), "tell recorded")
         log.info("trial %d was recorded %s before the runner died; told Optuna", row.number, state)
-
-    # ---- reports ------------------------------------------------------------------------------
-
-    def _record_starts(self, starts: list[Start]) -> None:
-        """Note where and when each task execution began; a second start of one launch is a
-        Ray retry. `started_at` is the task's own start time, not the launch time."""
-        changes: dict[int, tuple[str, int, float | None]] = {}
-        for number, node, at, _execution in starts:
-            entry = self.by_number.get(number)
-            if entry is None:
-                continue
-            entry.starts += 1
-            _, retries, first = changes.get(entry.row_id, (node, 0, None))
-            retries += 1 if entry.starts > 1 else 0
-            changes[entry.row_id] = (node, retries, at if entry.starts == 1 else first)
-            if entry.starts > 1:
-                log.info("trial %d retried by Ray (execution %d) on %s", number, entry.starts, node)
-        if not changes:
-            return
-
-        def write() -> None:
-            with session_scope(self.sessions) as s:
-                for row_id, (node, retries, at) in changes.items():
-                    values: dict[str, Any] = {
-                        "node": node,
-                        "attempts": Trial.attempts + retries,
-                        "waiting_reason": None,
-                    }
-                    if at is not None:  # the first start: keep it across relaunches
-                        values["started_at"] = func.coalesce(
-                            Trial.started_at, datetime.fromtimestamp(at, UTC)
-                        )
-                    s.execute(update(Trial).where(Trial.id == row_id).values(**values))
-                    s.execute(
-                        update(Trial)
-                        .where(Trial.id == row_id, Trial.state == TrialState.QUEUED)
-                        .values(state=TrialState.RUNNING)
-                    )
-
-        with_retry(write, "record starts")
-
-    def _persist_reports(self, reports: list[Report], inbox: Any) -> None:
-        """One transaction for a batch of reports; primary-key conflicts (replays) are skipped."""
-        if not reports:
-            return
-        rows: list[dict[str, Any]] = []
-        last_steps: dict[int, int] = {}
-        for number, step, points, execution in reports:
-            entry = self.by_number.get(number)
-            if entry is None:
-                continue
-            entry.received[execution] = entry.received.get(execution, 0) + 1
-            for name, layer, head, value in points:
-                rows.append(
-                    {
-                        "trial_id": entry.row_id,
-                        "name": name,
-                        "step": step,
-                        "layer": NO_INDEX if layer is None else layer,
-                        "head": NO_INDEX if head is None else head,
-                        "value": value if math.isfinite(value) else None,
-                    }
-                )
-            last_steps[entry.row_id] = max(step, last_steps.get(entry.row_id, 0))
-
-        def write() -> None:
-            with session_scope(self.sessions) as s:
-                insert_metrics(s, rows)
-                for row_id, step in last_steps.items():
-                    s.execute(update(Trial).where(Trial.id == row_id).values(last_step=step))
-                # Rows that land after the API cancelled their trial are counted too.
-                s.execute(
-                    update(Trial)
-                    .where(Trial.id.in_(last_steps), Trial.state == TrialState.CANCELLED)
-                    .values(metric_rows=stored_metric_rows())
-                )
-
-        with_retry(write, "persist reports")
-        self._prune_decisions(reports, inbox)
-
-    def _prune_decisions(self, reports: list[Report], inbox: Any) -> None:
-        if self.spec.pruner.kind == "none":
-            return
-        metric = self.spec.objectives[0].metric
-        for number, step, points, _execution in reports:
-            entry = self.by_number.get(number)
-            # step 0 is the untrained model (eval_at_init): nothing to judge a run by yet
-            if entry is None or step == 0 or step in entry.reported:
-                continue
-            if entry.tracker is None:  # rebuilt from stored rows: a resumed trial too
-                load = functools.partial(self._load_tracker, entry.row_id, metric)
-                entry.tracker = with_retry(load, "load tracker")
-            entry.tracker.add(step, points)
-            value = entry.tracker.value(step)
-            if value is None or not math.isfinite(value):
-                continue
-            entry.reported.add(step)
-            with_retry(functools.partial(entry.trial.report, value, step), "report")
-            if with_retry(entry.trial.should_prune, "should_prune"):
-                inbox.prune.remote(number)
-
-    def _load_tracker(self, row_id: int, metric: str) -> IntermediateTracker:
-        with session_scope(self.sessions) as s:
-            return load_tracker(s, row_id, metric, self.spec.base)
 
     # ---- results ------------------------------------------------------------------------------
 
@@ -353,7 +240,7 @@ class StudyRunner:
     def _count_metric_rows(self, s: Session, row_id: int) -> int:
         return int(s.scalar(select(func.count()).where(Metric.trial_id == row_id)) or 0)
 
-    def _collect(self, ref: Any, entries: list[_Running]) -> None:
+    def _collect(self, ref: Any, entries: list[Running]) -> None:
         """A task returned (or failed): finish each of its trials once all its reports are
         stored. A failed group fails every member (Ray has already used up its retries)."""
         try:
@@ -384,7 +271,7 @@ class StudyRunner:
             del self.finishing[number]
             self._finish(f.entry, f.result)
 
-    def _finish(self, entry: _Running, result: dict[str, Any]) -> None:
+    def _finish(self, entry: Running, result: dict[str, Any]) -> None:
         """Record a returned trial's outcome and tell Optuna."""
         summary: dict[str, Any] = result["summary"]
         status = summary["status"]
@@ -421,7 +308,7 @@ class StudyRunner:
 
     def _tell(
         self,
-        entry: _Running,
+        entry: Running,
         status: str,
         state: TrialState,
         values: list[float],
@@ -439,7 +326,7 @@ class StudyRunner:
 
     def _record_result(
         self,
-        entry: _Running,
+        entry: Running,
         result: dict[str, Any],
         state: TrialState,
         values: list[float],
@@ -468,7 +355,7 @@ class StudyRunner:
             row.waiting_reason = None
             row.metric_rows = self._count_metric_rows(s, entry.row_id)
 
-    def _fail(self, entry: _Running, reason: str) -> None:
+    def _fail(self, entry: Running, reason: str) -> None:
         def write() -> None:
             with session_scope(self.sessions) as s:
                 row = s.get(Trial, entry.row_id)
@@ -583,7 +470,7 @@ class StudyRunner:
                 ready, _ = ray.wait([*refs, stream], num_returns=1, timeout=POLL_S)
                 if refs:
                     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-                self._on_batches(self._take_batches(stream), inbox)
+                self.events.on_batches(take_batches(stream), inbox)
                 for ref in ready:
                     self._collect(ref, self.running.pop(ref))
                 self._finish_ready()
@@ -629,24 +516,6 @@ class StudyRunner:
                 )
 
         with_retry(write, "waiting reason")
-
-    def _take_batches(self, stream: Any) -> list[Batch]:
-        """Every batch the inbox's stream has ready now (never waits)."""
-        batches: list[Batch] = []
-        while ray.wait([stream], num_returns=1, timeout=0)[0]:
-            try:
-                ref = next(stream)
-            except StopIteration:
-                break
-            batches.append(ray.get(ref))
-        return batches
-
-    def _on_batches(self, batches: list[Batch], inbox: Any) -> None:
-        """Starts first (they say where and when trials run), then reports in one write."""
-        reports: list[Report] = [r for rs, _ in batches for r in rs]
-        starts: list[Start] = [st for _, sts in batches for st in sts]
-        self._record_starts(starts)
-        self._persist_reports(reports, inbox)
 
 
 def run_study(study_id: int, settings: Settings | None = None) -> StudyStatus:
