@@ -200,3 +200,25 @@ def test_cancel_of_a_fused_study_leaves_no_open_trial(app_client: TestClient, db
     assert len(states) >= 4 and set(states.values()) == {"CANCELLED"}, states
     assert set(optuna_states) == set(states)
     assert set(optuna_states.values()) == {OptunaState.FAIL}, optuna_states
+
+
+def test_a_pruned_member_stops_alone(app_client: TestClient, db_url: str) -> None:
+    """The median pruner's answer reaches each member through the inbox like a single trial's:
+    slow members of the second group are PRUNED early while their group mates go on."""
+    spec = wild_and_calm(n_trials=8, steps=60)
+    spec["search_space"] = {
+        "optim.lr": {"type": "categorical", "choices": [0.1, 0.001]},
+        "seed": {"type": "categorical", "choices": [1, 2, 3, 4]},
+    }
+    spec["pruner"] = {"kind": "median", "n_startup_trials": 2, "n_warmup_steps": 0}
+    trials = run(app_client, spec)
+    pruned = [t for t in trials if t["state"] == "PRUNED"]
+    assert pruned, [(t["number"], t["params"], t["state"]) for t in trials]
+    assert {t["state"] for t in trials} <= {"PRUNED", "COMPLETE"}
+    assert any(t["state"] == "COMPLETE" for t in trials if t["number"] >= 4)  # a group mate
+    for t in pruned:
+        detail = app_client.get(f"/v1/trials/{t['id']}").json()
+        assert detail["summary"]["status"] == "pruned"
+        assert detail["summary"]["steps_done"] < 60
+        assert t["number"] >= 4  # nothing is pruned before two trials completed
+    check_finished_study(db_url, trials[0]["study_id"])
