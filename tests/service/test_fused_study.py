@@ -23,8 +23,18 @@ from service.db.models import Trial
 from service.db.session import make_engine, make_sessionmaker
 from service.ray_cluster import LocalRayHead
 from service.studies import optuna_storage, optuna_study_name
-from tests.service.invariants import check_finished_study
+from tests.service.invariants import check_finished_study, fault_spec
 from tests.service.test_e2e_ray import small_quickstart, wait_for
+from tests.service.test_restarts import (
+    assert_untouched,
+    finished,
+    job_attempts,
+    kill_runner,
+    progress,
+    settings_for,
+    snapshot,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
 REL_TOL = 1e-4
@@ -222,3 +232,40 @@ def test_a_pruned_member_stops_alone(app_client: TestClient, db_url: str) -> Non
         assert detail["summary"]["steps_done"] < 60
         assert t["number"] >= 4  # nothing is pruned before two trials completed
     check_finished_study(db_url, trials[0]["study_id"])
+
+
+@pytest.fixture
+def reconciling(db_url: str, ray_head: LocalRayHead, tmp_path: Path) -> Iterator[TestClient]:
+    """The API with its reconciler loop (it resubmits a study whose runner job died)."""
+    with TestClient(create_app(settings_for(db_url, ray_head, tmp_path))) as client:
+        yield client
+
+
+def test_a_killed_runner_relaunches_fused_members_from_their_checkpoints(
+    reconciling: TestClient, db_url: str, ray_head: LocalRayHead
+) -> None:
+    """test_restarts' runner kill with `fuse: 2`: the dead runner's groups die with it; the
+    resubmitted runner regroups the open trials, each member resumes from its own checkpoint,
+    and completed members are not run again."""
+    client = reconciling
+
+    def get(path: str) -> Any:
+        r = client.get(path)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    spec = {**fault_spec(n_trials=6), "fuse": 2}
+    r = client.post("/v1/studies", json=spec)
+    assert r.status_code == 201, r.text
+    sid, job_id = r.json()["id"], r.json()["ray_job_id"]
+    seen = wait_until("progress", lambda: progress(get, sid))
+    before = snapshot(seen["done"])
+    kill_runner(ray_head, job_id)
+    study = wait_until("study end", lambda: finished(get, sid), timeout=400)
+    assert study["status"] == "COMPLETED", study["error"]
+    assert job_attempts(db_url, sid) >= 2
+    trials = check_finished_study(db_url, sid)
+    assert {t.state for t in trials} == {"COMPLETE"}
+    assert_untouched(before, trials)
+    interrupted = {t["number"] for t in seen["running"]}
+    assert all(t.attempts >= 2 for t in trials if t.number in interrupted)
