@@ -1,8 +1,8 @@
 """From asked trials to Ray tasks: each trial's config, fused groups, one Ray task per group.
 
-The runner asks Optuna for trials (one by one, so a seeded sampler gives the same numbers and
-parameters whatever `fuse` is) and hands them here as `Planned` trials. With `fuse: 1` every
-trial is its own group and runs as `workers.remote.run_trial_task`, named
+The runner asks Optuna for trials (one by one, so a seeded random or grid sampler gives the
+same numbers and parameters whatever `fuse` is) and hands them here as `Planned` trials.
+With `fuse: 1` every trial is its own group and runs as `workers.remote.run_trial_task`, named
 `study-<id>/trial-<n>` on the Ray dashboard. With `fuse > 1` trials whose configs share a
 `workers.fused.fusion_key` (same tensor shapes and loop) form groups of at most `fuse` members
 that run as one `run_trial_group_task`, named after its members, e.g.

@@ -1,4 +1,8 @@
-"""Ray glue for one trial: the task a worker node runs and the inbox it reports to.
+"""Ray glue for trials: the tasks a worker node runs and the inbox they report to.
+
+`run_trial_task` runs one trial; `run_trial_group_task` runs a fused group (`fuse > 1`, see
+workers/fused.py) with one reporter, journal and checkpoint per member, so everything below
+holds per member exactly as per single trial.
 
 The study runner owns a `TrialInbox` actor. Each trial task tells it once that it
 started and sends it every evaluation; the runner reads everything through one
