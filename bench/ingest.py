@@ -2,7 +2,7 @@
 
 qkscope path: Ray tasks report evaluations through `workers.remote.InboxReporter` to a
 `TrialInbox` actor; the driver plays the study runner's loop (wait `service.runner.POLL_S`,
-drain the inbox, `StudyRunner._persist_reports`, which writes one transaction per batch via
+drain the inbox, `TrialEvents.persist_reports` (service/trial_events.py), which writes one transaction per batch via
 `service.db.ingest.insert_metrics`). The StudyRunner is the real one, built on a real study
 row. Reports are shaped like a 12-layer, 12-head model's evaluation (4 per-head metrics,
 13 rank ratios, 5 scalars: 594 rows; `--layers/--heads` to change).
@@ -12,7 +12,7 @@ PostgreSQL `COPY qk_metric FROM STDIN` through psycopg; SQLite `executemany` of 
 INSERT on a raw sqlite3 connection with the same pragmas.
 
 Figures: end-to-end rows/s (first report sent -> last row committed), the runner's write
-rows/s (rows / time spent in `_persist_reports`), the bare rows/s, and their ratios.
+rows/s (rows / time spent in `persist_reports`), the bare rows/s, and their ratios.
 Goal: >= 50,000 rows/s into PostgreSQL, within 2x of the bare baseline.
 
     python -m bench.ingest            # ~1-2 minutes
@@ -134,7 +134,7 @@ class Harness:
         """Ask Optuna, insert the qk_trial row, register it like `_launch` does."""
         from service.db.models import Trial
         from service.db.session import session_scope
-        from service.runner import _Running
+        from service.trial_events import Running
 
         trial = self.runner.study.ask()
         with session_scope(self.sessions) as s:
@@ -142,7 +142,7 @@ class Harness:
             s.add(row)
             s.flush()
             row_id = row.id
-        entry = _Running(trial=trial, row_id=row_id, number=trial.number, started=time.monotonic())
+        entry = Running(trial=trial, row_id=row_id, number=trial.number, started=time.monotonic())
         self.runner.by_number[trial.number] = entry
         return trial.number, row_id
 
@@ -172,7 +172,7 @@ class Harness:
             reports, _starts = ray.get(inbox.drain.remote())
             if reports:
                 tw = time.perf_counter()
-                self.runner._persist_reports(reports, inbox)
+                self.runner.events.persist_reports(reports, inbox)
                 write_s += time.perf_counter() - tw
                 batches.append(sum(len(p) for _, _, p, _ in reports))
             elif not pending:

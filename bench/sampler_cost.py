@@ -203,8 +203,10 @@ def memory_add(study: Any, kind: str, history: list[dict[str, Any]]) -> None:
 
 
 def qkscope_cycle(runner: Any, rng: random.Random) -> None:
+    from service.dispatch import suggest
+
     trial = runner.study.ask()
-    runner._suggest(trial)
+    suggest(runner.spec, trial)
     runner.storage.get_trial(trial._trial_id)
     for key in CONSTRAINT_KEYS:
         trial.set_constraint(key, rng.uniform(-0.5, 0.5))

@@ -1,11 +1,17 @@
 """The Ray Job entrypoint of one study: `python -m service.runner <study_id>`.
 
 Drives Optuna with ask/tell against RDBStorage in the study's own database,
-keeps `parallelism` trials in flight as Ray tasks named `study-<id>/trial-<n>`,
+keeps `parallelism` Ray tasks in flight (one trial each, or a fused group of up to
+`fuse` trials each: see service/dispatch.py),
 persists every report in one transaction per batch (a crash leaves whole
 batches or nothing; replays are no-ops thanks to the metric primary key),
 answers pruning questions, tells Optuna each result, and marks the study
 COMPLETED, FAILED or CANCELLED.
+
+The runner in parts, each readable alone: service/dispatch.py turns asked trials into
+(fused) groups and Ray tasks; service/trial_events.py stores the inbox's starts and reports
+and decides pruning; this module asks and tells Optuna, finishes, fails and cancels trials,
+resumes after a crash, and runs the loop.
 
 A rerun of the same study (after the job or the cluster died) picks up where
 the database says it stopped: trials that were running are relaunched with
@@ -20,9 +26,9 @@ import math
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import optuna
@@ -33,10 +39,8 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
-from service.db.ingest import insert_metrics
 from service.db.models import (
     CURRENT_PENALTY_VERSION,
-    NO_INDEX,
     OPEN_TRIAL_STATES,
     SUMMARY_COLUMNS,
     Metric,
@@ -53,9 +57,9 @@ from service.db.session import (
     session_scope,
     with_retry,
 )
-from service.pruning import IntermediateTracker, load_tracker
+from service.dispatch import Planned, plan_groups, submit, suggest, trial_config
 from service.resources import unmet
-from service.spec import StudySpec, apply_params
+from service.spec import StudySpec
 from service.studies import (
     finish_open_trials,
     make_pruner,
@@ -63,13 +67,13 @@ from service.studies import (
     optuna_storage,
     optuna_study_name,
 )
+from service.trial_events import Running, TrialEvents, take_batches
 from workers import metrics as M
-from workers.remote import Batch, Report, Start, TrialInbox, run_trial_task
+from workers.remote import TrialInbox
 
 __all__ = ["main", "run_study"]
 
 log = logging.getLogger("qkscope.runner")
-_trial_task = ray.remote(run_trial_task)
 POLL_S = 1.0  # how often the loop looks for a cancel when no trial event woke it
 WAIT_CHECK_S = 10.0  # how often queued trials are checked against the cluster's nodes
 FLUSH_TIMEOUT_S = 60.0  # a finished trial waits at most this long for its last reports
@@ -77,23 +81,10 @@ TERMINAL = {StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED}
 
 
 @dataclass
-class _Running:
-    trial: optuna.Trial
-    row_id: int
-    number: int
-    started: float
-    last_step: int = 0
-    starts: int = 0  # task executions seen in this runner; Ray retries make it > 1
-    reported: set[int] = field(default_factory=set)
-    tracker: IntermediateTracker | None = None  # the pruned metric's evaluations so far
-    received: dict[str, int] = field(default_factory=dict)  # reports per task execution
-
-
-@dataclass
 class _Finishing:
     """A trial whose task returned, waiting until the runner has stored all its reports."""
 
-    entry: _Running
+    entry: Running
     result: dict[str, Any]
     since: float
 
@@ -119,85 +110,65 @@ class StudyRunner:
             pruner=make_pruner(self.spec),
             load_if_exists=True,
         )
-        self.running: dict[Any, _Running] = {}
-        self.by_number: dict[int, _Running] = {}
+        self.running: dict[Any, list[Running]] = {}  # a Ray task -> its trial(s)
+        self.pending: deque[list[Planned]] = deque()  # asked groups waiting for a free slot
+        self.by_number: dict[int, Running] = {}
+        self.events = TrialEvents(self.spec, self.sessions, self.by_number)
         self.finishing: dict[int, _Finishing] = {}
         self._waiting: str | None = None
         self._waiting_checked = -math.inf
 
-    # ---- Optuna glue -------------------------------------------------------------------------
+    # ---- asking and launching ------------------------------------------------------------
 
-    def _trial_config(self, params: dict[str, Any], number: int) -> dict[str, Any]:
-        config = apply_params(self.spec.base, params)
-        task = config.task
-        if task.data_dir and not Path(task.data_dir).is_absolute() and self.settings.data_dir:
-            task = task.model_copy(
-                update={"data_dir": str(Path(self.settings.data_dir) / task.data_dir)}
+    def _launch(self, inbox: Any, group: list[Planned]) -> None:
+        """One Ray task for the group (a single trial or a fused group)."""
+        configs = [
+            trial_config(self.spec, self.settings, self.study_id, p.params, p.number) for p in group
+        ]
+        ref = submit(self.spec, self.study_id, group, configs, inbox)
+        now = time.monotonic()
+        entries = [
+            Running(trial=p.trial, row_id=p.row_id, number=p.number, started=now) for p in group
+        ]
+        self.running[ref] = entries
+        for entry in entries:
+            self.by_number[entry.number] = entry
+
+    def _queue(self, planned: list[Planned]) -> None:
+        """Group planned trials (by fusion key when `fuse > 1`) and queue the groups."""
+        configs = [
+            trial_config(self.spec, self.settings, self.study_id, p.params, p.number)
+            for p in planned
+        ]
+        self.pending.extend(group for group, _ in plan_groups(self.spec, planned, configs))
+
+    def _launch_pending(self, inbox: Any) -> None:
+        while self.pending and len(self.running) < self.spec.parallelism:
+            self._launch(inbox, self.pending.popleft())
+
+    def _insert(self, number: int, params: dict[str, Any]) -> int:
+        with session_scope(self.sessions) as s:
+            row = Trial(
+                study_id=self.study_id,
+                number=number,
+                params=params,
+                seed=int(params.get("seed", self.spec.base.seed)),
+                penalty_version=CURRENT_PENALTY_VERSION,
+                state=TrialState.QUEUED,
             )
-        ckpt_dir = (
-            Path(self.settings.resolved_checkpoint_dir())
-            / f"study-{self.study_id}"
-            / f"trial-{number}"
-        )
-        config = config.model_copy(
-            update={
-                "task": task,
-                "checkpoint": config.checkpoint.model_copy(update={"dir": str(ckpt_dir)}),
-            }
-        )
-        return config.model_dump(mode="json", by_alias=True)
+            s.add(row)
+            s.flush()
+            return row.id
 
-    def _suggest(self, trial: optuna.Trial) -> dict[str, Any]:
-        params: dict[str, Any] = {}
-        for path, p in self.spec.search_space.items():
-            if p.type == "fixed":
-                params[path] = p.value
-            elif p.type == "categorical":
-                params[path] = trial.suggest_categorical(path, p.choices)
-            elif p.type == "float":
-                params[path] = trial.suggest_float(path, p.low, p.high, log=p.log)
-            else:
-                params[path] = trial.suggest_int(path, p.low, p.high, log=p.log, step=p.step)
-        return params
-
-    # ---- launching -------------------------------------------------------------------------
-
-    def _launch(self, inbox: Any, trial: optuna.Trial, params: dict[str, Any], row_id: int) -> None:
-        number = trial.number
-        config = self._trial_config(params, number)
-        res = self.spec.resources
-        task = _trial_task.options(  # type: ignore[attr-defined]
-            name=f"study-{self.study_id}/trial-{number}",
-            num_cpus=res.cpus,
-            num_gpus=res.gpus,
-            max_retries=self.spec.max_retries,
-            retry_exceptions=False,
-        )
-        ref = task.remote(config, number, inbox)
-        entry = _Running(trial=trial, row_id=row_id, number=number, started=time.monotonic())
-        self.running[ref] = entry
-        self.by_number[number] = entry
-
-    def _ask_and_launch(self, inbox: Any) -> None:
-        trial = with_retry(self.study.ask, "ask")
-        params = with_retry(lambda: self._suggest(trial), "suggest")
-        seed = int(params.get("seed", self.spec.base.seed))
-
-        def insert() -> int:
-            with session_scope(self.sessions) as s:
-                row = Trial(
-                    study_id=self.study_id,
-                    number=trial.number,
-                    params=params,
-                    seed=seed,
-                    penalty_version=CURRENT_PENALTY_VERSION,
-                    state=TrialState.QUEUED,
-                )
-                s.add(row)
-                s.flush()
-                return row.id
-
-        self._launch(inbox, trial, params, with_retry(insert, "insert trial"))
+    def _ask(self, n: int) -> None:
+        """Ask Optuna for `n` trials, one after another, record them QUEUED and queue them."""
+        planned: list[Planned] = []
+        for _ in range(n):
+            trial = with_retry(self.study.ask, "ask")
+            params = with_retry(functools.partial(suggest, self.spec, trial), "suggest")
+            insert = functools.partial(self._insert, trial.number, params)
+            planned.append(Planned(trial, params, with_retry(insert, "insert trial")))
+        self._queue(planned)
 
     def _resume_orphans(self, inbox: Any) -> None:
         """Trials Optuna still has RUNNING after a dead runner.
@@ -207,6 +178,7 @@ class StudyRunner:
         run again; a running one is relaunched and resumes from its checkpoint.
         """
         orphans = self.study.get_trials(deepcopy=False, states=(OptunaState.RUNNING,))
+        relaunch: list[Planned] = []
         for ft in orphans:
 
             def claim(number: int = ft.number) -> Trial | None:
@@ -229,8 +201,9 @@ class StudyRunner:
             elif row.state not in OPEN_TRIAL_STATES:
                 self._tell_recorded(trial, row)
             else:
-                self._launch(inbox, trial, dict(row.params), row.id)
-                log.info("relaunched trial %d (attempt %d)", ft.number, row.attempts)
+                relaunch.append(Planned(trial, dict(row.params), row.id))
+                log.info("relaunching trial %d (attempt %d)", ft.number, row.attempts)
+        self._queue(relaunch)  # regrouped like new trials; each member resumes on its own
 
     def _tell_recorded(self, trial: optuna.Trial, row: Trial) -> None:
         """Tell Optuna the outcome our table recorded for a finished trial."""
@@ -243,115 +216,11 @@ class StudyRunner:
                 self.spec.objectives, row.values or [None] * len(self.spec.objectives), strict=False
             )
         ]
-        entry = _Running(trial=trial, row_id=row.id, number=row.number, started=time.monotonic())
+        entry = Running(trial=trial, row_id=row.id, number=row.number, started=time.monotonic())
         status = str(summary.get("status", "completed"))
         state = TrialState(row.state)
         with_retry(lambda: self._tell(entry, status, state, values, constraints), "tell recorded")
         log.info("trial %d was recorded %s before the runner died; told Optuna", row.number, state)
-
-    # ---- reports ------------------------------------------------------------------------------
-
-    def _record_starts(self, starts: list[Start]) -> None:
-        """Note where and when each task execution began; a second start of one launch is a
-        Ray retry. `started_at` is the task's own start time, not the launch time."""
-        changes: dict[int, tuple[str, int, float | None]] = {}
-        for number, node, at, _execution in starts:
-            entry = self.by_number.get(number)
-            if entry is None:
-                continue
-            entry.starts += 1
-            _, retries, first = changes.get(entry.row_id, (node, 0, None))
-            retries += 1 if entry.starts > 1 else 0
-            changes[entry.row_id] = (node, retries, at if entry.starts == 1 else first)
-            if entry.starts > 1:
-                log.info("trial %d retried by Ray (execution %d) on %s", number, entry.starts, node)
-        if not changes:
-            return
-
-        def write() -> None:
-            with session_scope(self.sessions) as s:
-                for row_id, (node, retries, at) in changes.items():
-                    values: dict[str, Any] = {
-                        "node": node,
-                        "attempts": Trial.attempts + retries,
-                        "waiting_reason": None,
-                    }
-                    if at is not None:  # the first start: keep it across relaunches
-                        values["started_at"] = func.coalesce(
-                            Trial.started_at, datetime.fromtimestamp(at, UTC)
-                        )
-                    s.execute(update(Trial).where(Trial.id == row_id).values(**values))
-                    s.execute(
-                        update(Trial)
-                        .where(Trial.id == row_id, Trial.state == TrialState.QUEUED)
-                        .values(state=TrialState.RUNNING)
-                    )
-
-        with_retry(write, "record starts")
-
-    def _persist_reports(self, reports: list[Report], inbox: Any) -> None:
-        """One transaction for a batch of reports; primary-key conflicts (replays) are skipped."""
-        if not reports:
-            return
-        rows: list[dict[str, Any]] = []
-        last_steps: dict[int, int] = {}
-        for number, step, points, execution in reports:
-            entry = self.by_number.get(number)
-            if entry is None:
-                continue
-            entry.received[execution] = entry.received.get(execution, 0) + 1
-            for name, layer, head, value in points:
-                rows.append(
-                    {
-                        "trial_id": entry.row_id,
-                        "name": name,
-                        "step": step,
-                        "layer": NO_INDEX if layer is None else layer,
-                        "head": NO_INDEX if head is None else head,
-                        "value": value if math.isfinite(value) else None,
-                    }
-                )
-            last_steps[entry.row_id] = max(step, last_steps.get(entry.row_id, 0))
-
-        def write() -> None:
-            with session_scope(self.sessions) as s:
-                insert_metrics(s, rows)
-                for row_id, step in last_steps.items():
-                    s.execute(update(Trial).where(Trial.id == row_id).values(last_step=step))
-                # Rows that land after the API cancelled their trial are counted too.
-                s.execute(
-                    update(Trial)
-                    .where(Trial.id.in_(last_steps), Trial.state == TrialState.CANCELLED)
-                    .values(metric_rows=stored_metric_rows())
-                )
-
-        with_retry(write, "persist reports")
-        self._prune_decisions(reports, inbox)
-
-    def _prune_decisions(self, reports: list[Report], inbox: Any) -> None:
-        if self.spec.pruner.kind == "none":
-            return
-        metric = self.spec.objectives[0].metric
-        for number, step, points, _execution in reports:
-            entry = self.by_number.get(number)
-            # step 0 is the untrained model (eval_at_init): nothing to judge a run by yet
-            if entry is None or step == 0 or step in entry.reported:
-                continue
-            if entry.tracker is None:  # rebuilt from stored rows: a resumed trial too
-                load = functools.partial(self._load_tracker, entry.row_id, metric)
-                entry.tracker = with_retry(load, "load tracker")
-            entry.tracker.add(step, points)
-            value = entry.tracker.value(step)
-            if value is None or not math.isfinite(value):
-                continue
-            entry.reported.add(step)
-            with_retry(functools.partial(entry.trial.report, value, step), "report")
-            if with_retry(entry.trial.should_prune, "should_prune"):
-                inbox.prune.remote(number)
-
-    def _load_tracker(self, row_id: int, metric: str) -> IntermediateTracker:
-        with session_scope(self.sessions) as s:
-            return load_tracker(s, row_id, metric, self.spec.base)
 
     # ---- results ------------------------------------------------------------------------------
 
@@ -371,17 +240,23 @@ class StudyRunner:
     def _count_metric_rows(self, s: Session, row_id: int) -> int:
         return int(s.scalar(select(func.count()).where(Metric.trial_id == row_id)) or 0)
 
-    def _collect(self, ref: Any, entry: _Running) -> None:
-        """A trial's task returned (or failed): finish it once all its reports are stored."""
+    def _collect(self, ref: Any, entries: list[Running]) -> None:
+        """A task returned (or failed): finish each of its trials once all its reports are
+        stored. A failed group fails every member (Ray has already used up its retries)."""
         try:
-            result: dict[str, Any] = ray.get(ref)
+            out: dict[str, Any] | list[dict[str, Any]] = ray.get(ref)
         except (ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError) as e:
-            self._fail(entry, f"{type(e).__name__}: {e}")
+            for entry in entries:
+                self._fail(entry, f"{type(e).__name__}: {e}")
             return
         except Exception as e:
-            self._fail(entry, f"{type(e).__name__}: {str(e)[-2000:]}")
+            for entry in entries:
+                self._fail(entry, f"{type(e).__name__}: {str(e)[-2000:]}")
             return
-        self.finishing[entry.number] = _Finishing(entry, result, time.monotonic())
+        results = out if isinstance(out, list) else [out]
+        now = time.monotonic()
+        for entry, result in zip(entries, results, strict=True):
+            self.finishing[entry.number] = _Finishing(entry, result, now)
 
     def _finish_ready(self) -> None:
         """Finish the returned trials whose reports have all been stored (the inbox's stream
@@ -396,7 +271,7 @@ class StudyRunner:
             del self.finishing[number]
             self._finish(f.entry, f.result)
 
-    def _finish(self, entry: _Running, result: dict[str, Any]) -> None:
+    def _finish(self, entry: Running, result: dict[str, Any]) -> None:
         """Record a returned trial's outcome and tell Optuna."""
         summary: dict[str, Any] = result["summary"]
         status = summary["status"]
@@ -433,7 +308,7 @@ class StudyRunner:
 
     def _tell(
         self,
-        entry: _Running,
+        entry: Running,
         status: str,
         state: TrialState,
         values: list[float],
@@ -451,7 +326,7 @@ class StudyRunner:
 
     def _record_result(
         self,
-        entry: _Running,
+        entry: Running,
         result: dict[str, Any],
         state: TrialState,
         values: list[float],
@@ -480,7 +355,7 @@ class StudyRunner:
             row.waiting_reason = None
             row.metric_rows = self._count_metric_rows(s, entry.row_id)
 
-    def _fail(self, entry: _Running, reason: str) -> None:
+    def _fail(self, entry: Running, reason: str) -> None:
         def write() -> None:
             with session_scope(self.sessions) as s:
                 row = s.get(Trial, entry.row_id)
@@ -530,9 +405,10 @@ class StudyRunner:
             ray.cancel(ref, force=True)
         for f in list(self.finishing.values()):  # returned before the cancel: keep the result
             self._finish(f.entry, f.result)
-        entries = list(self.running.values())
+        entries = [e for group in self.running.values() for e in group]
         self.running.clear()
         self.finishing.clear()
+        self.pending.clear()  # asked, never launched: finish_open_trials closes them below
         with_retry(
             lambda: finish_open_trials(
                 self.sessions, self.storage, self.study_id, TrialState.CANCELLED, "study cancelled"
@@ -574,21 +450,27 @@ class StudyRunner:
                     self._cancel_all()
                     return StudyStatus.CANCELLED
                 out_of_time = timeout is not None and time.monotonic() - t0 > timeout
+                self._launch_pending(inbox)
                 while (
-                    len(self.running) < self.spec.parallelism
+                    not self.pending
+                    and len(self.running) < self.spec.parallelism
                     and asked < self.spec.budget.n_trials
                     and not out_of_time
                 ):
-                    self._ask_and_launch(inbox)
-                    asked += 1
-                if not self.running and not self.finishing:
+                    # Up to `fuse` trials per free slot; grouping may leave some queued.
+                    free = self.spec.parallelism - len(self.running)
+                    n = min(self.spec.fuse * free, self.spec.budget.n_trials - asked)
+                    self._ask(n)
+                    asked += n
+                    self._launch_pending(inbox)
+                if not self.running and not self.finishing and not self.pending:
                     break
                 # Wake when a trial ends or reports, else after POLL_S to look for a cancel.
                 refs = list(self.running)
                 ready, _ = ray.wait([*refs, stream], num_returns=1, timeout=POLL_S)
                 if refs:
                     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-                self._on_batches(self._take_batches(stream), inbox)
+                self.events.on_batches(take_batches(stream), inbox)
                 for ref in ready:
                     self._collect(ref, self.running.pop(ref))
                 self._finish_ready()
@@ -605,7 +487,7 @@ class StudyRunner:
         if now - self._waiting_checked < WAIT_CHECK_S:
             return
         self._waiting_checked = now
-        queued = [e.row_id for e in self.running.values() if e.starts == 0]
+        queued = [e.row_id for group in self.running.values() for e in group if e.starts == 0]
         reason = None
         if queued:
             alive = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
@@ -634,24 +516,6 @@ class StudyRunner:
                 )
 
         with_retry(write, "waiting reason")
-
-    def _take_batches(self, stream: Any) -> list[Batch]:
-        """Every batch the inbox's stream has ready now (never waits)."""
-        batches: list[Batch] = []
-        while ray.wait([stream], num_returns=1, timeout=0)[0]:
-            try:
-                ref = next(stream)
-            except StopIteration:
-                break
-            batches.append(ray.get(ref))
-        return batches
-
-    def _on_batches(self, batches: list[Batch], inbox: Any) -> None:
-        """Starts first (they say where and when trials run), then reports in one write."""
-        reports: list[Report] = [r for rs, _ in batches for r in rs]
-        starts: list[Start] = [st for _, sts in batches for st in sts]
-        self._record_starts(starts)
-        self._persist_reports(reports, inbox)
 
 
 def run_study(study_id: int, settings: Settings | None = None) -> StudyStatus:

@@ -160,6 +160,9 @@ class Resources(_Strict):
     gpus: float = Field(0.0, ge=0.0, le=16.0)
 
 
+MAX_FUSE = 64  # one fused process holds at most this many trials
+
+
 class SpecError(ValueError):
     """A spec problem, with the dotted field it concerns."""
 
@@ -183,9 +186,21 @@ class StudySpec(_Strict):
     constraints: list[Constraint] = Field(default_factory=list, max_length=32)
     resources: Resources = Field(default_factory=Resources)
     max_retries: int = Field(2, ge=0, le=10)
+    # The largest number of trials trained together in one process as one fused model
+    # (workers.fused); 1 turns fusion off. Trials are grouped by the fields that change
+    # tensor shapes, so a group may be smaller.
+    fuse: int = Field(1, ge=1, le=MAX_FUSE)
 
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
+        if self.fuse > 1:
+            # The workers' own check; imported here only (it imports torch).
+            from workers.fused import FusionError, check_fusable
+
+            try:
+                check_fusable(self.base)
+            except FusionError as e:
+                raise SpecError("fuse", f"fuse > 1 with this base config: {e}") from None
         if len(self.objectives) > 1 and self.pruner.kind != "none":
             raise SpecError("pruner.kind", "pruning needs a single objective: set it to none")
         if self.pruner.kind != "none" and self.objectives[0].metric not in INTERMEDIATE_SUMMARIES:

@@ -1,4 +1,8 @@
-"""Ray glue for one trial: the task a worker node runs and the inbox it reports to.
+"""Ray glue for trials: the tasks a worker node runs and the inbox they report to.
+
+`run_trial_task` runs one trial; `run_trial_group_task` runs a fused group (`fuse > 1`, see
+workers/fused.py) with one reporter, journal and checkpoint per member, so everything below
+holds per member exactly as per single trial.
 
 The study runner owns a `TrialInbox` actor. Each trial task tells it once that it
 started and sends it every evaluation; the runner reads everything through one
@@ -39,6 +43,7 @@ __all__ = [
     "Start",
     "TrialInbox",
     "check_gpus",
+    "run_trial_group_task",
     "run_trial_task",
 ]
 
@@ -195,6 +200,19 @@ def check_gpus(gpu_ids: list[Any], node: str) -> None:
     )
 
 
+def _node() -> str:
+    return f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:12]}"
+
+
+def _reporter(inbox: Any, trial: int, config: TrialConfig, execution: str) -> InboxReporter:
+    """A trial's reporter, journaling beside its checkpoint; the journal is replayed first."""
+    ckpt_dir = config.checkpoint.dir
+    journal = Path(ckpt_dir) / JOURNAL if ckpt_dir else None
+    reporter = InboxReporter(inbox, trial, journal, execution)
+    reporter.replay()
+    return reporter
+
+
 def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, Any]:
     """Body of the Ray task: run (or resume from checkpoint) and return the summary.
 
@@ -205,15 +223,12 @@ def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, 
     only after it has stored all of them.
     """
     started = time.time()
-    node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:12]}"
+    node = _node()
     execution = secrets.token_hex(6)
     inbox.started.remote(trial, node, started, execution)
     check_gpus(ray.get_gpu_ids(), node)
     parsed = TrialConfig.model_validate(config)
-    ckpt_dir = parsed.checkpoint.dir
-    journal = Path(ckpt_dir) / JOURNAL if ckpt_dir else None
-    reporter = InboxReporter(inbox, trial, journal, execution)
-    reporter.replay()
+    reporter = _reporter(inbox, trial, parsed, execution)
     summary = run_trial(parsed, reporter)
     reporter.flush()
     return {
@@ -225,3 +240,44 @@ def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, 
         "started_at": started,
         "finished_at": time.time(),
     }
+
+
+def run_trial_group_task(
+    configs: list[dict[str, Any]], trials: list[int], inbox: Any
+) -> list[dict[str, Any]]:
+    """Body of the Ray task of a fused group: `run_trial_task` for several trials at once.
+
+    The members train as one fused model (`workers.fused.run_trial_group`); each keeps its
+    own trial number, reporter, journal and checkpoint, so starts, reports, prune answers,
+    retries and resumes work per member exactly as for a single trial (members of a retried
+    group may resume at different steps). Returns one result per member, in order, with the
+    fields `run_trial_task` returns.
+    """
+    from workers.fused import run_trial_group  # only fused tasks pay for the fused model
+
+    if len(configs) != len(trials):
+        raise ValueError(f"{len(configs)} configs but {len(trials)} trial numbers")
+    started = time.time()
+    node = _node()
+    execution = secrets.token_hex(6)  # one execution of the group: shared by its members
+    for trial in trials:
+        inbox.started.remote(trial, node, started, execution)
+    check_gpus(ray.get_gpu_ids(), node)
+    parsed = [TrialConfig.model_validate(c) for c in configs]
+    reporters = [_reporter(inbox, t, c, execution) for t, c in zip(trials, parsed, strict=True)]
+    summaries = run_trial_group(parsed, reporters)
+    for reporter in reporters:
+        reporter.flush()
+    finished = time.time()
+    return [
+        {
+            "summary": summary.model_dump(mode="json"),
+            "node": node,
+            "pid": os.getpid(),
+            "execution": execution,
+            "reports_sent": reporter.sent,
+            "started_at": started,
+            "finished_at": finished,
+        }
+        for summary, reporter in zip(summaries, reporters, strict=True)
+    ]

@@ -208,6 +208,24 @@ CASES: list[Case] = [
     ("cpus 300", with_("resources", {"cpus": 300}), JSON, 422, "resources.cpus"),
     ("gpus -1", with_("resources", {"gpus": -1}), JSON, 422, "resources.gpus"),
     ("gpus 17", with_("resources", {"gpus": 17}), JSON, 422, "resources.gpus"),
+    # fuse: out of range, or a base config the fused model cannot reproduce
+    ("fuse 0", with_("fuse", 0), JSON, 422, "fuse"),
+    ("fuse 65", with_("fuse", 65), JSON, 422, "fuse"),
+    ("fuse word", with_("fuse", "many"), JSON, 422, "fuse"),
+    (
+        "fuse with dropout",
+        with_("base/model", {"dropout": 0.1}, with_("fuse", 4)),
+        JSON,
+        422,
+        "fuse",
+    ),
+    (
+        "fuse with sigma_reparam",
+        with_("base/model", {"qk_norm": "sigma_reparam"}, with_("fuse", 4)),
+        JSON,
+        422,
+        "fuse",
+    ),
     # base trial config
     ("base string", with_("base", "default"), JSON, 422, "base"),
     ("steps 0", with_("base/steps", 0), JSON, 422, "base.steps"),
@@ -710,6 +728,9 @@ def test_the_valid_base_definition_is_accepted() -> None:
     spec = StudySpec.model_validate(VALID)
     assert spec.search_space and spec.constraints
     StudySpec.model_validate(FULL)
+    # The fuse cases fail for the base config, not for fuse itself: a fusable base passes.
+    assert StudySpec.model_validate(with_("fuse", 4)).fuse == 4
+    assert StudySpec.model_validate(with_("base/model", {"dropout": 0.1})).fuse == 1
 
 
 # --- generated junk ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from service.spec import StudySpec, apply_params
 from service.studies import create_study
 from tests.conftest import free_port
 from tests.service.invariants import check_finished_study, fault_spec
+from workers.fused import run_trial_group
 from workers.trial import run_trial
 
 pytestmark = pytest.mark.cluster
@@ -139,6 +140,33 @@ def test_killed_worker_node_trial_is_retried_and_resumes(
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_killed_worker_node_fused_group_is_retried_as_a_group(
+    cluster: Cluster, db_url: str, tmp_path: Path
+) -> None:
+    """`fuse: 2`: the lost node's group is retried whole on another node; each member resumes
+    from its own checkpoint and ends exactly as the same group run without the loss."""
+    spec = {**fault_spec(n_trials=4, max_retries=2), "fuse": 2}
+    run = StudyThread(db_url, tmp_path, spec)
+    victim = run.wait_running(n=1, min_step=40)[0]
+    node = victim.node
+    kill_node_and_replace(cluster, worker_node_of(cluster, victim))
+    run.join()
+
+    trials = check_finished_study(db_url, run.study_id)
+    assert all(t.state == "COMPLETE" for t in trials)
+    # The victim's group mate(s): the members that ran on the lost node with it.
+    hit = [t for t in trials if t.attempts >= 2]
+    assert victim.number in {t.number for t in hit}
+    assert len(hit) == 2, [(t.number, t.attempts, t.node) for t in trials]  # both members
+    assert all(t.node != node for t in hit), "the retry ran on another node"
+    torch.set_num_threads(1)
+    base = StudySpec.model_validate(spec).base
+    configs = [apply_params(base, t.params) for t in sorted(hit, key=lambda t: t.number)]
+    together = run_trial_group(configs)
+    for t, s in zip(sorted(hit, key=lambda t: t.number), together, strict=True):
+        assert t.final_val_loss == pytest.approx(s.final_val_loss, rel=1e-5)
+
+
 def test_trial_out_of_retries_fails_with_reason_and_study_goes_on(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:
