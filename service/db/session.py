@@ -80,10 +80,27 @@ def with_retry(
     for i in range(attempts):
         try:
             return fn()
-        except (OperationalError, InterfaceError) as e:
-            if i == attempts - 1:
+        except Exception as e:
+            cause = _connection_error(e)
+            if cause is None or i == attempts - 1:
                 raise
             delay = min(max_s, base_s * 2**i)
-            log.warning("%s: database error (%s); retry %d in %.2fs", what, e.orig, i + 1, delay)
+            log.warning(
+                "%s: database error (%s); retry %d in %.2fs", what, cause.orig, i + 1, delay
+            )
             time.sleep(delay)
     raise AssertionError("unreachable")
+
+
+def _connection_error(e: BaseException) -> OperationalError | InterfaceError | None:
+    """The dropped-connection or locked-database error behind `e`, if there is one.
+
+    Optuna's RDB storage re-raises these as its own StorageInternalError (`raise ... from e`),
+    so the chain of causes is searched too.
+    """
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OperationalError | InterfaceError):
+            return seen
+        seen = seen.__cause__
+    return None

@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,6 +58,20 @@ def engine(client: TestClient, module_db_url: str) -> Iterator[Engine]:
     eng = make_engine(module_db_url)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture
+def app_client(db_url: str, ray_head: LocalRayHead, tmp_path: Path) -> Iterator[TestClient]:
+    """The app in process on a fresh database of each kind, submitting to the module's Ray
+    head (no token: the end-to-end tests' own settings)."""
+    settings = Settings(
+        database_url=db_url,
+        ray_address=ray_head.dashboard_url,
+        home=tmp_path,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    with TestClient(create_app(settings, reconcile_loop=False)) as client:
+        yield client
 
 
 def create_via_api(client: TestClient, body: dict[str, Any]) -> int:

@@ -5,8 +5,6 @@ cancelled study's trials keep the count of the metric rows they stored."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import optuna
@@ -14,8 +12,6 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
-from service.config import Settings
 from service.db.models import Metric, Trial
 from service.db.session import make_engine, make_sessionmaker, normalize_url
 from service.ray_cluster import JobLauncher, LocalRayHead
@@ -24,18 +20,6 @@ from tests.service.test_e2e_ray import small_quickstart, wait_for
 from workers import metrics as M
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def app_client(db_url: str, ray_head: LocalRayHead, tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(
-        database_url=db_url,
-        ray_address=ray_head.dashboard_url,
-        home=tmp_path,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-    )
-    with TestClient(create_app(settings, reconcile_loop=False)) as client:
-        yield client
 
 
 def _val_curve(client: TestClient, trial_id: int) -> dict[int, float]:

@@ -18,7 +18,6 @@ from optuna.trial import TrialState as OptunaState
 from sqlalchemy import select
 
 from service.app import create_app
-from service.config import Settings
 from service.db.models import Trial
 from service.db.session import make_engine, make_sessionmaker
 from service.ray_cluster import LocalRayHead
@@ -38,18 +37,6 @@ from tests.service.test_restarts import (
 
 pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
 REL_TOL = 1e-4
-
-
-@pytest.fixture
-def app_client(db_url: str, ray_head: LocalRayHead, tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(
-        database_url=db_url,
-        ray_address=ray_head.dashboard_url,
-        home=tmp_path,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-    )
-    with TestClient(create_app(settings, reconcile_loop=False)) as client:
-        yield client
 
 
 def run(client: TestClient, spec: dict[str, Any], timeout: float = 240) -> list[dict[str, Any]]:
