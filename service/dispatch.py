@@ -23,7 +23,7 @@ import ray
 from service.config import Settings
 from service.spec import StudySpec, apply_params
 from workers.config import TrialConfig
-from workers.fused import group_by_key
+from workers.fusion_plan import group_by_key
 from workers.remote import run_trial_group_task, run_trial_task
 
 __all__ = ["Planned", "plan_groups", "submit", "suggest", "task_name", "trial_config"]

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from service.db.models import NO_INDEX, Metric, Trial
 from service.spec import apply_params
-from workers import metrics as M
+from workers import curves as M
 from workers.metric_names import SUMMARY_BY_NAME, Summary, Within
 
 if TYPE_CHECKING:

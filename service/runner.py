@@ -68,7 +68,7 @@ from service.studies import (
     optuna_study_name,
 )
 from service.trial_events import Running, TrialEvents, take_batches
-from workers import metrics as M
+from workers import curves as M
 from workers.remote import TrialInbox
 
 __all__ = ["main", "run_study"]

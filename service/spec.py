@@ -195,7 +195,7 @@ class StudySpec(_Strict):
     def _consistent(self) -> StudySpec:
         if self.fuse > 1:
             # The workers' own check; imported here only (it imports torch).
-            from workers.fused import FusionError, check_fusable
+            from workers.fusion_plan import FusionError, check_fusable
 
             try:
                 check_fusable(self.base)

@@ -34,7 +34,7 @@ from typing import Any
 
 import ray
 
-from workers.trial import MetricPoint, TrialConfig, run_trial
+from workers.config import MetricPoint, TrialConfig, TrialSummary
 
 __all__ = [
     "Batch",
@@ -222,6 +222,8 @@ def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, 
     result says how many reports this execution sent, so the runner finishes the trial
     only after it has stored all of them.
     """
+    from workers.trial import run_trial  # torch: only the trial process pays for it
+
     started = time.time()
     node = _node()
     execution = secrets.token_hex(6)
@@ -231,6 +233,18 @@ def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, 
     reporter = _reporter(inbox, trial, parsed, execution)
     summary = run_trial(parsed, reporter)
     reporter.flush()
+    return _result(summary, reporter, node, execution, started, time.time())
+
+
+def _result(
+    summary: TrialSummary,
+    reporter: InboxReporter,
+    node: str,
+    execution: str,
+    started: float,
+    finished: float,
+) -> dict[str, Any]:
+    """What a trial task returns for one trial: its summary and where/when it ran."""
     return {
         "summary": summary.model_dump(mode="json"),
         "node": node,
@@ -238,7 +252,7 @@ def run_trial_task(config: dict[str, Any], trial: int, inbox: Any) -> dict[str, 
         "execution": execution,
         "reports_sent": reporter.sent,
         "started_at": started,
-        "finished_at": time.time(),
+        "finished_at": finished,
     }
 
 
@@ -270,14 +284,6 @@ def run_trial_group_task(
         reporter.flush()
     finished = time.time()
     return [
-        {
-            "summary": summary.model_dump(mode="json"),
-            "node": node,
-            "pid": os.getpid(),
-            "execution": execution,
-            "reports_sent": reporter.sent,
-            "started_at": started,
-            "finished_at": finished,
-        }
+        _result(summary, reporter, node, execution, started, finished)
         for summary, reporter in zip(summaries, reporters, strict=True)
     ]

@@ -1,4 +1,4 @@
-"""The service's API-side modules import without torch (startup cost, issue 10 item 3).
+"""The service's modules (API and study runner) import without torch (startup cost, issue 10 item 3).
 
 Each check runs in a fresh interpreter, because this test process has torch loaded already.
 """
@@ -28,7 +28,17 @@ def _torch_loaded_after(module: str) -> bool:
     return proc.stdout.strip().splitlines()[-1] == "True"
 
 
-@pytest.mark.parametrize("module", ["workers.config", "service.spec", "service.app"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "workers.config",
+        "workers.curves",
+        "workers.fusion_plan",
+        "service.spec",
+        "service.app",
+        "service.runner",
+    ],
+)
 def test_module_imports_without_torch(module: str) -> None:
     assert _torch_loaded_after(module) is False
 
