@@ -8,9 +8,14 @@ validation set), loss, probes, metrics, reports, checkpoint and `TrialSummary`.
 
 The contract is equality: on CPU in float32, a member's evaluation losses match the same
 config run alone by `run_trial` (within 1e-4 relative at quickstart sizes; float rounding of
-batched vs single matmuls is the only difference). Checkpoints are written in `run_trial`'s
-format to the member's own `checkpoint.dir`, so a member can resume alone and a single trial
-can resume as a member.
+batched vs single matmuls is the only difference, and every per-member scalar is computed in
+float64 as torch computes its Python floats, so in float64 a member matches alone to 1e-8 or
+better). Large `qk_init_std` (>= ~0.2) makes a trial chaotic: it amplifies float32 rounding
+to ~1e-2 by a few hundred steps, so there fused and alone part by as much as the same trial
+with 1e-7 noise on its initial weights (bench/README.md, "fused: equality").
+
+Checkpoints are written in `run_trial`'s format to the member's own `checkpoint.dir`, so a
+member can resume alone and a single trial can resume as a member.
 
 Stopping is by **masking**, not regrouping: a member that diverges, is pruned or has not
 reached its resume step yet keeps its slot, and its weights and optimizer state are frozen by
@@ -74,16 +79,36 @@ def _per_member(values: Sequence[float], device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def _bcast(v: Tensor, like: Tensor) -> Tensor:
+def _hyper(values: Sequence[float], device: torch.device) -> Tensor:
+    """Per-member optimiser scalars in float64, the precision of torch's Python-float math.
+
+    torch.optim computes lr, 1 - beta, bias corrections and step sizes as Python floats
+    (double) and rounds each once to the parameter dtype inside the kernel. Computing them in
+    float32 instead (float32(0.999) ** step, then 1 - it) is off by up to ~1e-5 relative in
+    the early bias corrections: 100x float32 rounding, enough to push a chaotic trial
+    (large qk_init_std) off its run-alone trajectory. So: float64 here, cast at use.
+    """
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def _view(v: Tensor, like: Tensor) -> Tensor:
     """An (M,) tensor viewed to broadcast against an (M, ...) tensor."""
     return v.view((-1,) + (1,) * (like.dim() - 1))
+
+
+def _bcast(v: Tensor, like: Tensor) -> Tensor:
+    """An (M,) scalar tensor rounded to `like`'s dtype, viewed to broadcast against it."""
+    return _view(v.to(like.dtype), like)
 
 
 class _BatchedOptimizer:
     """AdamW or SGD (no momentum) with per-member lr, weight decay and betas.
 
-    Follows torch.optim.AdamW's single-tensor update literally; an update is applied only to
-    the members in `active` (a device bool mask), every other member's state stays as it is.
+    Follows torch.optim.AdamW's foreach update (capturable=False) literally, scalars included:
+    every per-member scalar (lr, 1 - lr * wd, betas, step size, sqrt of the second bias
+    correction) is computed in float64 and rounded once to the parameter dtype, as torch
+    rounds its Python floats. An update is applied only to the members in `active` (a device
+    bool mask); every other member's state stays as it is.
     """
 
     EPS = 1e-8
@@ -91,10 +116,10 @@ class _BatchedOptimizer:
     def __init__(self, configs: Sequence[TrialConfig], params: list[Tensor], dev: torch.device):
         self.name = configs[0].optim.name
         self.params = params
-        self.lr = _per_member([c.optim.lr for c in configs], dev)
-        self.wd = _per_member([c.optim.weight_decay for c in configs], dev)
-        self.beta1 = _per_member([c.optim.beta1 for c in configs], dev)
-        self.beta2 = _per_member([c.optim.beta2 for c in configs], dev)
+        self.lr = _hyper([c.optim.lr for c in configs], dev)
+        self.wd = _hyper([c.optim.weight_decay for c in configs], dev)
+        self.beta1 = _hyper([c.optim.beta1 for c in configs], dev)
+        self.beta2 = _hyper([c.optim.beta2 for c in configs], dev)
         self.step_count = torch.zeros(len(configs), dtype=torch.float32, device=dev)
         self.exp_avg = [torch.zeros_like(p) for p in params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in params]
@@ -107,22 +132,23 @@ class _BatchedOptimizer:
                 if p.grad is None:  # unused by this architecture: skipped, as torch does
                     continue
                 g = p.grad + _bcast(self.wd, p) * p
-                p.copy_(torch.where(_bcast(active, p), p - _bcast(lr, p) * g, p))
+                p.copy_(torch.where(_view(active, p), p - _bcast(lr, p) * g, p))
             return
         self.step_count = torch.where(active, self.step_count + 1, self.step_count)
-        step = torch.clamp(self.step_count, min=1.0)
+        step = torch.clamp(self.step_count, min=1.0).to(torch.float64)
         step_size = lr / (1 - self.beta1**step)
         bc2_sqrt = torch.sqrt(1 - self.beta2**step)
+        decay = 1 - lr * self.wd
+        one_minus_b1, one_minus_b2 = 1 - self.beta1, 1 - self.beta2
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
             if p.grad is None:  # unused by this architecture: skipped, as torch does
                 continue
-            g, a = p.grad, _bcast(active, p)
-            b1, b2 = _bcast(self.beta1, p), _bcast(self.beta2, p)
-            new_p = p * (1 - _bcast(lr * self.wd, p))
-            new_m = m.lerp(g, 1 - b1)
-            new_v = v * b2 + g * g * (1 - b2)
+            g, a = p.grad, _view(active, p)
+            new_p = p * _bcast(decay, p)
+            new_m = m.lerp(g, _bcast(one_minus_b1, p))
+            new_v = v * _bcast(self.beta2, p) + g * g * _bcast(one_minus_b2, p)
             denom = new_v.sqrt() / _bcast(bc2_sqrt, p) + self.EPS
-            new_p = new_p - _bcast(step_size, p) * new_m / denom
+            new_p = new_p - _bcast(step_size, p) * (new_m / denom)
             p.copy_(torch.where(a, new_p, p))
             m.copy_(torch.where(a, new_m, m))
             v.copy_(torch.where(a, new_v, v))
@@ -310,7 +336,7 @@ def run_trial_group(
             _restore_optimizer(mem, m, opt)
     n = len(members)
     clips = _per_member([c.optim.grad_clip or math.inf for c in configs], device)
-    lams = _per_member(
+    lams = _hyper(
         [c.regularizer.lam if c.regularizer.kind != "none" else 0.0 for c in configs], device
     )
     kinds = [c.regularizer.kind for c in configs]
@@ -372,7 +398,8 @@ def run_trial_group(
         with ctx:
             loss = forward(x, y)
             pen = fused.penalties(kinds, targets) if any(use_penalty) else torch.zeros_like(loss)
-        per_member = loss.float() + lams * pen.float()
+        pen32 = pen.float()
+        per_member = loss.float() + lams.to(pen32.dtype) * pen32  # lam rounded as torch rounds it
         bad = active & ~(torch.isfinite(loss) & torch.isfinite(per_member))
         first_bad = torch.where(bad & (first_bad == 0), step + 1, first_bad)
         active = active & ~bad

@@ -43,8 +43,9 @@ class FusedGPT:
         self.cfg = cfg
         self.params = params  # name -> (M, *shape), leaf tensors with requires_grad
         self.n_members = temperatures.shape[0]
-        # Each member's logit scale 1 / (sqrt(d_h) * temperature): (M,)
-        self.scale = 1.0 / (math.sqrt(cfg.d_head) * temperatures)
+        # Each member's logit scale 1 / (sqrt(d_h) * temperature): (M,), in float64 like the
+        # Python float `CausalSelfAttention.scale`, rounded once to the activations' dtype
+        self.scale = 1.0 / (math.sqrt(cfg.d_head) * temperatures.to(torch.float64))
 
     @classmethod
     def from_models(cls, models: Sequence[GPT], device: torch.device) -> FusedGPT:
@@ -57,7 +58,7 @@ class FusedGPT:
             for n in names
         }
         temps = torch.tensor(
-            [m.cfg.attn_temperature for m in models], dtype=torch.float32, device=device
+            [m.cfg.attn_temperature for m in models], dtype=torch.float64, device=device
         )
         return cls(cfg, params, temps)
 
@@ -174,7 +175,7 @@ class FusedGPT:
     def penalties(self, kinds: Sequence[RegularizerKind], target_means: Sequence[float]) -> Tensor:
         """Each member's own regularizer, mean over layers and heads: (M,); 0 for kind none."""
         w_q, w_k = self.qk_weights()
-        out = torch.zeros(self.n_members, device=w_q.device, dtype=torch.float32)
+        out = torch.zeros(self.n_members, device=w_q.device, dtype=w_q.dtype)
         if "spectral_variance" in kinds:
             sv = spectral_variance_penalty(w_q, w_k).mean(dim=(1, 2)).float()
             use = torch.tensor([k == "spectral_variance" for k in kinds], device=w_q.device)
