@@ -17,7 +17,15 @@ import subprocess
 import sys
 import time
 
-BENCHES = ["train_throughput", "orchestration", "ingest", "queries", "sampler_cost", "load"]
+BENCHES = [
+    "train_throughput",
+    "orchestration",
+    "ingest",
+    "queries",
+    "sampler_cost",
+    "load",
+    "startup",
+]
 EXTRA = {"train_throughput": ["--threads", "1"]}  # the README's figures use one thread
 
 
