@@ -30,7 +30,6 @@ __all__ = [
 ]
 
 RegularizerKind = Literal["none", "spectral_variance", "locater"]
-"""Same as `workers.regularizers.RegularizerKind` (kept in step with it)."""
 
 
 class TaskConfig(pydantic.BaseModel):

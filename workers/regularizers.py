@@ -8,11 +8,11 @@ are differentiable and work on any device and float dtype.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from workers.config import RegularizerKind
 from workers.metrics import qk_sym_moments
 
 __all__ = [
@@ -27,8 +27,6 @@ __all__ = [
 # 1: locater = ||W_sym||_F^2 / D + (mean - t)^2 (held the eigen-mean at t / 2, not at t).
 # 2: locater = var + (mean - t)^2 (minimum exactly var 0, mean t).
 PENALTY_VERSION = 2
-
-RegularizerKind = Literal["none", "spectral_variance", "locater"]
 
 
 def spectral_variance_penalty(w_q: Tensor, w_k: Tensor) -> Tensor:
