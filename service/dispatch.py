@@ -4,7 +4,7 @@ The runner asks Optuna for trials (one by one, so a seeded random or grid sample
 same numbers and parameters whatever `fuse` is) and hands them here as `Planned` trials.
 With `fuse: 1` every trial is its own group and runs as `workers.remote.run_trial_task`, named
 `study-<id>/trial-<n>` on the Ray dashboard. With `fuse > 1` trials whose configs share a
-`workers.fused.fusion_key` (same tensor shapes and loop) form groups of at most `fuse` members
+`workers.fusion_plan.fusion_key` (same tensor shapes and loop) form groups of at most `fuse` members
 that run as one `run_trial_group_task`, named after its members, e.g.
 `study-<id>/trials-4-7` (members 4 to 7) or `study-<id>/trials-2,5,9`. A group takes the
 resources of one trial (`resources.cpus`/`gpus`) and Ray retries it as a whole; each member
