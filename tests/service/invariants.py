@@ -115,6 +115,13 @@ def _check_optuna_agrees(db_url: str, study_id: int, trials: list[Trial]) -> Non
     assert states == {t.number: ours[t.state] for t in trials}
 
 
+# Steps for tests that interrupt a trial seen RUNNING past step 40 and then assert it was
+# retried: about 4 s of training alone on one core, so the trial is still training when the
+# fault lands. The stored step lags the trial's own by up to a report batch; at the default
+# 160 steps a trial could finish inside that lag (a CI flake: attempts stayed 1).
+INTERRUPT_STEPS = 480
+
+
 def fault_spec(n_trials: int, max_retries: int = 2, steps: int = 160) -> dict[str, Any]:
     """A small study whose trials take a few seconds and checkpoint at every evaluation."""
     return {

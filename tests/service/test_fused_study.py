@@ -22,7 +22,7 @@ from service.db.models import Trial
 from service.db.session import make_engine, make_sessionmaker
 from service.ray_cluster import LocalRayHead
 from service.studies import optuna_storage, optuna_study_name
-from tests.service.invariants import check_finished_study, fault_spec
+from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
 from tests.service.test_e2e_ray import small_quickstart, wait_for
 from tests.service.test_restarts import (
     assert_untouched,
@@ -241,7 +241,7 @@ def test_a_killed_runner_relaunches_fused_members_from_their_checkpoints(
         assert r.status_code == 200, r.text
         return r.json()
 
-    spec = {**fault_spec(n_trials=6), "fuse": 2}
+    spec = {**fault_spec(n_trials=6, steps=INTERRUPT_STEPS), "fuse": 2}
     r = client.post("/v1/studies", json=spec)
     assert r.status_code == 201, r.text
     sid, job_id = r.json()["id"], r.json()["ray_job_id"]
@@ -255,4 +255,7 @@ def test_a_killed_runner_relaunches_fused_members_from_their_checkpoints(
     assert {t.state for t in trials} == {"COMPLETE"}
     assert_untouched(before, trials)
     interrupted = {t["number"] for t in seen["running"]}
-    assert all(t.attempts >= 2 for t in trials if t.number in interrupted)
+    assert all(t.attempts >= 2 for t in trials if t.number in interrupted), (
+        interrupted,
+        [(t.number, t.attempts, t.started_at, t.finished_at) for t in trials],
+    )

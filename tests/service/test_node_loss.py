@@ -27,16 +27,11 @@ from service.runner import run_study
 from service.spec import StudySpec, apply_params
 from service.studies import create_study
 from tests.conftest import free_port
-from tests.service.invariants import check_finished_study, fault_spec
+from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
 from workers.fused import run_trial_group
 from workers.trial import run_trial
 
 pytestmark = pytest.mark.cluster
-
-# Trials long enough (about 4 s alone on one core) that a trial seen past step 40 in the
-# database is still training when its node is killed: the stored step lags the trial's own
-# by up to a report batch, and at the default 160 steps a trial could finish inside that lag.
-KILL_STEPS = 480
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +82,15 @@ class StudyThread:
             return list(s.scalars(select(Trial).where(Trial.study_id == self.study_id)))
 
     def wait_running(self, n: int, min_step: int, timeout: float = 180) -> list[Trial]:
-        """Until `n` trials are RUNNING past `min_step` (so they have a checkpoint)."""
+        """Until `n` trials are RUNNING past `min_step` (so they have a checkpoint) and not
+        past half of INTERRUPT_STEPS (so they are still training, not being finished)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            running = [t for t in self.trials() if t.state == "RUNNING" and t.last_step >= min_step]
+            running = [
+                t
+                for t in self.trials()
+                if t.state == "RUNNING" and min_step <= t.last_step <= INTERRUPT_STEPS // 2
+            ]
             if len(running) >= n and all(t.node for t in running):
                 return running
             time.sleep(0.2)
@@ -123,7 +123,7 @@ def kill_node_and_replace(cluster: Cluster, node: Any) -> None:
 def test_killed_worker_node_trial_is_retried_and_resumes(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:
-    spec = fault_spec(n_trials=4, max_retries=2, steps=KILL_STEPS)
+    spec = fault_spec(n_trials=4, max_retries=2, steps=INTERRUPT_STEPS)
     run = StudyThread(db_url, tmp_path, spec)
     victim = run.wait_running(n=1, min_step=40)[0]
     kill_node_and_replace(cluster, worker_node_of(cluster, victim))
@@ -150,7 +150,7 @@ def test_killed_worker_node_fused_group_is_retried_as_a_group(
 ) -> None:
     """`fuse: 2`: the lost node's group is retried whole on another node; each member resumes
     from its own checkpoint and ends exactly as the same group run without the loss."""
-    spec = {**fault_spec(n_trials=4, max_retries=2, steps=KILL_STEPS), "fuse": 2}
+    spec = {**fault_spec(n_trials=4, max_retries=2, steps=INTERRUPT_STEPS), "fuse": 2}
     run = StudyThread(db_url, tmp_path, spec)
     victim = run.wait_running(n=1, min_step=40)[0]
     node = victim.node
@@ -175,7 +175,7 @@ def test_killed_worker_node_fused_group_is_retried_as_a_group(
 def test_trial_out_of_retries_fails_with_reason_and_study_goes_on(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:
-    spec = fault_spec(n_trials=3, max_retries=0, steps=KILL_STEPS)
+    spec = fault_spec(n_trials=3, max_retries=0, steps=INTERRUPT_STEPS)
     run = StudyThread(db_url, tmp_path, spec)
     victim = run.wait_running(n=1, min_step=20)[0]
     kill_node_and_replace(cluster, worker_node_of(cluster, victim))
