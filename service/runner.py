@@ -481,13 +481,15 @@ class StudyRunner:
         return StudyStatus.COMPLETED
 
     def _check_waiting(self) -> None:
-        """Trials that Ray has not started, when no alive node can ever run one: say so on
-        the study and its queued trials (Ray would keep them pending without a word)."""
+        """Trials that have not started, when no alive node can ever run one: say so on the
+        study and its queued trials, those Ray holds (it would keep them pending without a
+        word) and those still waiting here for a slot (a fused group that did not fit)."""
         now = time.monotonic()
         if now - self._waiting_checked < WAIT_CHECK_S:
             return
         self._waiting_checked = now
         queued = [e.row_id for group in self.running.values() for e in group if e.starts == 0]
+        queued += [p.row_id for group in self.pending for p in group]
         reason = None
         if queued:
             alive = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]

@@ -115,3 +115,41 @@ def test_unaskable_cluster_shows_a_waiting_reason(ray_head: LocalRayHead, tmp_pa
         assert final["status"] == "CANCELLED"
         states = {t["state"] for t in client.get(f"/v1/studies/{sid}/trials").json()["items"]}
         assert states == {"CANCELLED"}
+
+
+@pytest.mark.cluster
+def test_trials_waiting_for_a_slot_show_the_reason_too(
+    ray_head: LocalRayHead, tmp_path: Path
+) -> None:
+    """`fuse: 2`, parallelism 1, a grid over n_layers: the two trials asked together cannot
+    fuse (different shapes), so one group is launched and the other waits in the runner for
+    the slot. Both are QUEUED and both say why they cannot start."""
+    settings = settings_for(ray_head, tmp_path, check_resources=False)
+    with TestClient(create_app(settings, reconcile_loop=False)) as client:
+        spec = {
+            **small_quickstart(n_trials=2),
+            "resources": {"cpus": 1, "gpus": 1},
+            "fuse": 2,
+            "parallelism": 1,
+            "sampler": {"kind": "grid"},
+            "search_space": {"model.n_layers": {"type": "categorical", "choices": [1, 2]}},
+        }
+        r = client.post("/v1/studies", json=spec)
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        deadline = time.monotonic() + 120
+        trials: list[dict[str, object]] = []
+        while time.monotonic() < deadline:
+            trials = client.get(f"/v1/studies/{sid}/trials").json()["items"]
+            if len(trials) == 2 and all(t["waiting_reason"] for t in trials):
+                break
+            time.sleep(0.5)
+        assert sorted(t["params"]["model.n_layers"] for t in trials) == [1, 2], trials
+        for t in trials:
+            assert t["state"] == "QUEUED"
+            assert "GPU" in str(t["waiting_reason"]), trials
+        assert client.post(f"/v1/studies/{sid}/cancel").json()["status"] == "CANCELLED"
+        final = wait_for(client, sid, {"CANCELLED"}, timeout=30)
+        assert final["status"] == "CANCELLED"
+        states = {t["state"] for t in client.get(f"/v1/studies/{sid}/trials").json()["items"]}
+        assert states == {"CANCELLED"}
