@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError, PendingRollbackError
 from sqlalchemy.orm import Session, sessionmaker
 
 __all__ = [
@@ -85,22 +85,30 @@ def with_retry(
             if cause is None or i == attempts - 1:
                 raise
             delay = min(max_s, base_s * 2**i)
-            log.warning(
-                "%s: database error (%s); retry %d in %.2fs", what, cause.orig, i + 1, delay
-            )
+            log.warning("%s: database error (%s); retry %d in %.2fs", what, cause, i + 1, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
 
 
-def _connection_error(e: BaseException) -> OperationalError | InterfaceError | None:
+def _connection_error(e: BaseException) -> BaseException | None:
     """The dropped-connection or locked-database error behind `e`, if there is one.
 
     Optuna's RDB storage re-raises these as its own StorageInternalError (`raise ... from e`),
-    so the chain of causes is searched too.
+    and a dropped connection can surface one step later as SQLAlchemy's PendingRollbackError
+    (the session's transaction is invalid; Optuna and `session_scope` roll it back), raised
+    while the OperationalError was being handled. So both chains, `__cause__` and
+    `__context__`, are searched.
     """
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OperationalError | InterfaceError):
-            return seen
-        seen = seen.__cause__
+    todo: list[BaseException] = [e]
+    seen: set[int] = set()
+    while todo:
+        err = todo.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OperationalError | InterfaceError):
+            return err.orig if err.orig is not None else err
+        if isinstance(err, PendingRollbackError):
+            return err
+        todo.extend(x for x in (err.__cause__, err.__context__) if x is not None)
     return None
