@@ -4,8 +4,6 @@ PostgreSQL: POST a study -> its Ray job appears -> trials run -> metrics land ->
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,8 +11,6 @@ import yaml
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.app import create_app
-from service.config import Settings
 from service.db.models import Metric, Study, Trial
 from service.db.session import make_engine, make_sessionmaker
 from service.ray_cluster import JobLauncher, LocalRayHead
@@ -43,22 +39,8 @@ def wait_for(
     raise AssertionError(f"study {study_id} not in {statuses} after {timeout}s: {study}")
 
 
-@pytest.fixture
-def app_client(
-    db_url: str, ray_head: LocalRayHead, tmp_path: Path
-) -> Iterator[tuple[TestClient, str]]:
-    settings = Settings(
-        database_url=db_url,
-        ray_address=ray_head.dashboard_url,
-        home=tmp_path,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-    )
-    with TestClient(create_app(settings, reconcile_loop=False)) as client:
-        yield client, db_url
-
-
-def test_study_runs_end_to_end(app_client: tuple[TestClient, str], ray_head: LocalRayHead) -> None:
-    client, db_url = app_client
+def test_study_runs_end_to_end(app_client: TestClient, db_url: str, ray_head: LocalRayHead) -> None:
+    client = app_client
     spec = small_quickstart()
     r = client.post(
         "/v1/studies", content=yaml.safe_dump(spec), headers={"content-type": "application/yaml"}
@@ -153,10 +135,8 @@ def test_study_runs_end_to_end(app_client: tuple[TestClient, str], ray_head: Loc
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_cancel_stops_job_and_trials(
-    app_client: tuple[TestClient, str], ray_head: LocalRayHead
-) -> None:
-    client, _ = app_client
+def test_cancel_stops_job_and_trials(app_client: TestClient, ray_head: LocalRayHead) -> None:
+    client = app_client
     spec = small_quickstart(n_trials=6, steps=5000)
     r = client.post("/v1/studies", json=spec)
     assert r.status_code == 201, r.text

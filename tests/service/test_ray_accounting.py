@@ -9,35 +9,18 @@ list (counted through Ray's state API), not calls that grow with wall time.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service.app import create_app
-from service.config import Settings
 from service.db.models import Trial
 from service.db.session import make_engine
 from service.ray_cluster import LocalRayHead
 from tests.service.test_e2e_ray import small_quickstart, wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def sqlite_client(ray_head: LocalRayHead, tmp_path: Path) -> Iterator[tuple[TestClient, str]]:
-    url = f"sqlite:///{tmp_path / 'qkscope.db'}"
-    settings = Settings(
-        database_url=url,
-        ray_address=ray_head.dashboard_url,
-        home=tmp_path,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-    )
-    with TestClient(create_app(settings, reconcile_loop=False)) as client:
-        yield client, url
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
@@ -56,8 +39,9 @@ def test_max_overlap_counts_open_intervals() -> None:
     assert max_overlap([(0, 1), (1, 2)]) == 1
 
 
-def test_two_studies_never_exceed_the_cpus(sqlite_client: tuple[TestClient, str]) -> None:
-    client, url = sqlite_client
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_two_studies_never_exceed_the_cpus(app_client: TestClient, db_url: str) -> None:
+    client, url = app_client, db_url
     spec = small_quickstart(n_trials=4, steps=300)
     spec["parallelism"] = 2
     spec["resources"] = {"cpus": 1, "gpus": 0}
@@ -93,10 +77,11 @@ def job_tasks(dashboard: str, submission_id: str) -> list[Any]:
     )
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_internal_calls_stay_about_one_per_evaluation(
-    sqlite_client: tuple[TestClient, str], ray_head: LocalRayHead
+    app_client: TestClient, ray_head: LocalRayHead
 ) -> None:
-    client, _ = sqlite_client
+    client = app_client
     spec = small_quickstart(n_trials=8, steps=100)  # eval_every 20: 5 evaluations per trial
     spec["parallelism"] = 2
     r = client.post("/v1/studies", json=spec)
