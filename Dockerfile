@@ -12,15 +12,38 @@
 # project is installed normally from its wheel (not editable): the wheel ships the Alembic
 # migrations as the package `qkscope_migrations`.
 
+#
+# Build arguments for machines that cannot reach Docker Hub or PyTorch's index (the
+# defaults are what a user gets; scripts/compose-smoke shows them used):
+#   BASE_IMAGE      an image with Python 3.11 whose `python` and `pip` are on PATH
+#                   (default python:3.11-slim)
+#   TORCH_WHEELS    a folder in the build context; a torch-*.whl there is installed instead
+#                   of torch from TORCH_INDEX_URL (cpu target; default docker/torch-wheels,
+#                   which holds none)
+#   EXTRA_CA_CERTS  a folder in the build context; its *.crt / *.pem files are added to the
+#                   CA bundle pip uses (a TLS-inspecting proxy; default docker/extra-ca,
+#                   which holds none, and then pip keeps its own bundle)
+
 # Must equal the torch pin in pyproject.toml (tests/test_compose.py checks it).
 ARG TORCH_VERSION=2.13.0
+ARG BASE_IMAGE=python:3.11-slim
 
-FROM python:3.11-slim AS base
+FROM ${BASE_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
+ARG EXTRA_CA_CERTS=docker/extra-ca
+COPY ${EXTRA_CA_CERTS}/ /tmp/extra-ca/
+RUN set -e; extra=$(find /tmp/extra-ca -type f \( -name '*.crt' -o -name '*.pem' \)); \
+    if [ -n "$extra" ]; then \
+      bundle=/etc/ssl/certs/qkscope-pip-bundle.pem; \
+      cat $(python -c 'import ssl; print(ssl.get_default_verify_paths().openssl_cafile)') \
+          $extra > "$bundle" 2>/dev/null || cat $extra > "$bundle"; \
+      printf '[global]\ncert = %s\n' "$bundle" > /etc/pip.conf; \
+    fi; \
+    rm -rf /tmp/extra-ca
 # Unprivileged user; /checkpoints is the mount point of the shared checkpoint volume
 # (a fresh named volume takes this ownership).
 RUN useradd --create-home --uid 1000 qkscope \
@@ -32,14 +55,21 @@ FROM base AS wheel
 COPY pyproject.toml setup.py README.md ./
 COPY service/ service/
 COPY workers/ workers/
+COPY qkscope/ qkscope/
 COPY migrations/ migrations/
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 FROM base AS cpu
 ARG TORCH_VERSION
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# Own layer: torch is by far the largest dependency and changes least often.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+ARG TORCH_WHEELS=docker/torch-wheels
+# Own layer: torch is by far the largest dependency and changes least often.  A wheel handed
+# in through TORCH_WHEELS must be torch==TORCH_VERSION (its own deps come from PyPI).
+COPY ${TORCH_WHEELS}/ /tmp/torch-wheels/
+RUN set -e; wheel=$(find /tmp/torch-wheels -name "torch-${TORCH_VERSION}*.whl" | head -n1); \
+    if [ -n "$wheel" ]; then pip install "$wheel"; \
+    else pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; fi; \
+    rm -rf /tmp/torch-wheels
 COPY --from=wheel /wheels /wheels
 RUN pip install /wheels/qkscope-*.whl && rm -rf /wheels
 COPY study_defs/ study_defs/

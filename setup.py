@@ -16,7 +16,9 @@ setup(
     ],
     package_dir={"qkscope_migrations": "migrations"},
     package_data={
+        # The web UI's static files (index.html, js/, the vendored ECharts and its license).
         "service": ["py.typed"],
+        "service.ui": ["static/*.html", "static/*.css", "static/js/*.js", "static/vendor/*"],
         "workers": ["py.typed"],
         "qkscope": ["py.typed"],  # the researcher's client package, where it exists
         "qkscope_migrations": ["script.py.mako"],

@@ -25,6 +25,7 @@ BENCHES = [
     "sampler_cost",
     "load",
     "startup",
+    "ui",
 ]
 EXTRA = {"train_throughput": ["--threads", "1"]}  # the README's figures use one thread
 

@@ -143,7 +143,7 @@ class Harness:
             s.flush()
             row_id = row.id
         entry = Running(trial=trial, row_id=row_id, number=trial.number, started=time.monotonic())
-        self.runner.by_number[trial.number] = entry
+        self.runner.events.track(entry)
         return trial.number, row_id
 
     def metric_count(self) -> int:
@@ -169,7 +169,7 @@ class Harness:
         while True:
             if pending:
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            reports, _starts = ray.get(inbox.drain.remote())
+            reports, _starts, _finished = ray.get(inbox.drain.remote())
             if reports:
                 tw = time.perf_counter()
                 self.runner.events.persist_reports(reports, inbox)

@@ -185,6 +185,28 @@ def start_serve(work: Path, concurrency: int, extra_env: dict[str, str] | None =
     return head, proc, api, time.perf_counter() - t0
 
 
+def post_and_wait(
+    c: httpx.Client, spec: dict[str, Any], poll_s: float = 0.1
+) -> tuple[int, float, list[dict[str, Any]]]:
+    """POST a study, wait until it ends; returns (id, seconds from POST to the end, its
+    trials' list rows). Raises unless it COMPLETED."""
+    t0 = time.perf_counter()
+    r = c.post("/v1/studies", json=spec)
+    r.raise_for_status()
+    sid = int(r.json()["id"])
+    while (study := c.get(f"/v1/studies/{sid}").json())["status"] not in (
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+    ):
+        time.sleep(poll_s)
+    wall = time.perf_counter() - t0
+    if study["status"] != "COMPLETED":
+        raise RuntimeError(f"study {sid} ended {study['status']}: {study.get('error')}")
+    items = c.get(f"/v1/studies/{sid}/trials", params={"limit": 1000}).json()["items"]
+    return sid, wall, list(items)
+
+
 def stop_serve(head: Any, proc: Any) -> None:
     proc.send_signal(signal.SIGTERM)
     try:

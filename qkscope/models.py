@@ -62,6 +62,8 @@ class Study:
     job_attempts: int = 0
     optuna_study_name: str = ""
     error: str | None = None
+    # Why its trials are not starting (no node has the resources, Ray does not answer).
+    waiting_reason: str | None = None
     created_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -146,6 +148,7 @@ class Summary:
     best_trial_id: int | None = None
     best_params: dict[str, Any] | None = None
     eta_s: float | None = None
+    waiting_reason: str | None = None  # why nothing is starting, when something is stuck
     updated_at: datetime | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

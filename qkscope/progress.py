@@ -16,11 +16,13 @@ def _fmt(v: float | None) -> str:
 
 
 def summary_line(s: Summary) -> str:
-    """`study 3: RUNNING, 2/8 finished, 2 running, best 1.234`."""
-    return (
+    """`study 3: RUNNING, 2/8 finished, 2 running, best 1.234` (and `, waiting: <why>` while
+    the study is stuck: no node fits its trials, Ray does not answer)."""
+    line = (
         f"study {s.study_id}: {s.status}, {s.finished}/{s.n_trials} finished, "
         f"{s.running} running, best {_fmt(s.best_value)}"
     )
+    return f"{line}, waiting: {s.waiting_reason}" if s.waiting_reason else line
 
 
 class Progress(Protocol):
@@ -44,7 +46,7 @@ class _Lines:
         self.last: tuple[Any, ...] | None = None
 
     def update(self, s: Summary) -> None:
-        key = (s.status, s.finished, s.running, s.best_value)
+        key = (s.status, s.finished, s.running, s.best_value, s.waiting_reason)
         if key != self.last:
             self.last = key
             print(summary_line(s), file=self.file, flush=True)
@@ -64,7 +66,8 @@ class _Bar:
     def update(self, s: Summary) -> None:
         self.bar.total = s.n_trials
         self.bar.n = s.finished
-        self.bar.set_postfix(status=s.status, running=s.running, best=_fmt(s.best_value))
+        extra = {"waiting": s.waiting_reason} if s.waiting_reason else {}
+        self.bar.set_postfix(status=s.status, running=s.running, best=_fmt(s.best_value), **extra)
         self.bar.refresh()
 
     def close(self) -> None:

@@ -16,15 +16,17 @@ from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
 from service import prom
-from service.api import export, importance, plots, studies, trials
+from service.api import export, importance, plots, series, studies, trials, ui
 from service.api.deps import require_token, token_digest
 from service.api.errors import install_error_handlers
+from service.api.openapi import complete_statuses
 from service.config import Settings, get_settings
 from service.db import migrate
 from service.db.session import make_engine, make_sessionmaker
 from service.ray_cluster import JobLauncher
 from service.spec import StudySpec
-from service.studies import reconcile
+from service.studies import mark_ray_unreachable, reconcile
+from service.ui import mount_ui
 
 __all__ = ["create_app"]
 
@@ -92,6 +94,9 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
     app.include_router(plots.router, dependencies=auth)
     app.include_router(export.router, dependencies=auth)
     app.include_router(importance.router, dependencies=auth)
+    app.include_router(series.router, dependencies=auth)
+    app.include_router(ui.router, dependencies=auth)
+    mount_ui(app)  # static files only, no token: every data route they call needs one
     registry = prom.make_registry(lambda: app.state.sessions)
     app.state.reconcile_rounds = prom.reconcile_counter(registry)
 
@@ -107,7 +112,7 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(spec.pop("$defs", {}))
             components["StudySpec"] = spec
-            app.openapi_schema = schema
+            app.openapi_schema = complete_statuses(schema, auth=bool(settings.token_list()))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -151,6 +156,13 @@ async def _reconcile_forever(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     while True:
         launcher = await run_in_threadpool(app.state.launcher)
+        if launcher is None and settings.ray_address:
+            try:  # no job client yet: Ray's job server has not answered since we started
+                await run_in_threadpool(
+                    mark_ray_unreachable, app.state.sessions, settings.ray_address, "no connection"
+                )
+            except Exception:
+                log.exception("marking studies as waiting for Ray failed")
         if launcher is not None:
             try:
                 await run_in_threadpool(reconcile, app.state.sessions, launcher, settings)

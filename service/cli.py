@@ -8,27 +8,29 @@ a hint, printed once, and the exit status is 1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qkscope import ApiError, Client, QkscopeError, Trial
+
+if TYPE_CHECKING:
+    from service.config import Settings
+    from service.serve_lock import ServeLock
 
 __all__ = ["main"]
 
 # The plots route's kinds and query parameters (service.plots would pull in the server stack).
 PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history", "importance")
 PLOT_PARAMS = ("metric", "trials", "layer", "head", "x", "y", "color", "objective")
-SERVE_STATE = "serve.json"
 
 
 class CliError(Exception):
@@ -135,6 +137,8 @@ def _client_command(args: argparse.Namespace) -> int:
         if args.cmd == "submit":
             study = qk.submit(args.file)
             print(f"study {study.id} {study.status} (Ray job {study.ray_job_id})")
+            if study.waiting_reason:
+                print(f"waiting: {study.waiting_reason}")
             if args.watch:
                 qk.wait(study.id, progress=_progress())
             return 0
@@ -178,20 +182,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _serve_record(home: Path, api_url: str) -> Iterator[None]:
-    """`<home>/serve.json` while this `serve` runs, so `qkscope stop` can find it."""
-    home.mkdir(parents=True, exist_ok=True)
-    path = home / SERVE_STATE
-    path.write_text(json.dumps({"pid": os.getpid(), "api_url": api_url}))
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(path.read_text()).get("pid") == os.getpid():
-                path.unlink()
-
-
 def _run_study(api_url: str, file: str, exit_when_done: bool) -> int | None:
     with Client(api_url) as qk:
         study = qk.submit(file)
@@ -206,12 +196,27 @@ def _run_study(api_url: str, file: str, exit_when_done: bool) -> int | None:
     return None
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _port_free(host: str, port: int) -> bool:
+    """True when nothing listens on host:port (checked before a Ray head is started for an
+    API that could not bind anyway)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
-    from service.app import create_app
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the API (and the embedded Ray head) while holding the home's serve lock: a second
+    `serve` in the same home refuses before it touches the head, the database or a port."""
     from service.config import get_settings
-    from service.ray_cluster import LocalRayHead
+    from service.serve_lock import ServeLock, ServeRunning
 
     settings = get_settings()
     if not _is_loopback(args.host) and not settings.token_list():
@@ -221,6 +226,30 @@ def serve(args: argparse.Namespace) -> int:
         )
     if args.run and not Path(args.run).is_file():
         raise CliError(f"cannot read {args.run}: no such file")
+    api_url = f"http://{args.host}:{args.port}"
+    lock = ServeLock(settings.home)
+    try:
+        lock.acquire()
+    except ServeRunning as e:
+        raise CliError(str(e)) from None
+    try:
+        lock.update(api_url=api_url, ray_address=settings.ray_address or None, owns_head=False)
+        if not _port_free(args.host, args.port):
+            raise CliError(f"cannot serve on {api_url}: the port is in use")
+        return _serve_locked(args, settings, lock, api_url)
+    finally:
+        lock.release()
+
+
+def _serve_locked(
+    args: argparse.Namespace, settings: Settings, lock: ServeLock, api_url: str
+) -> int:
+    import uvicorn
+
+    from service.app import create_app
+    from service.head_watch import HeadWatchdog
+    from service.ray_cluster import LocalRayHead
+
     head = None
     if not settings.ray_address:
         head = LocalRayHead(
@@ -230,59 +259,70 @@ def serve(args: argparse.Namespace) -> int:
             num_cpus=args.num_cpus,
         )
         if head.adopt():
-            print(
+            _say(
                 f"reusing the local Ray head an earlier `qkscope serve` left running "
-                f"(pid {head.pid}, dashboard {head.dashboard_url})",
-                file=sys.stderr,
+                f"(pid {head.pid}, dashboard {head.dashboard_url}); its `serve` is gone, so "
+                "this one now owns it and stops it on exit"
             )
             settings.ray_address = head.dashboard_url
         else:
-            print(
-                f"starting a local Ray head (dashboard {head.dashboard_url}, token auth on) ...",
-                file=sys.stderr,
-            )
+            _say(f"starting a local Ray head (dashboard {head.dashboard_url}, token auth on) ...")
             try:
                 settings.ray_address = head.start()
             except (RuntimeError, TimeoutError) as e:  # the log it names says why
                 raise CliError(f"could not start a local Ray head: {e}") from None
-            print(f"started the local Ray head (pid {head.pid})", file=sys.stderr)
+            _say(f"started the local Ray head (pid {head.pid})")
+        lock.update(ray_address=settings.ray_address, owns_head=True, head_pid=head.pid)
 
     def _terminate(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, _terminate)  # docker stop, kill, `qkscope stop`
-    api_url = f"http://{args.host}:{args.port}"
     server = uvicorn.Server(
         uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
+    gave_up: list[str] = []
+
+    def _give_up(why: str) -> None:
+        _say(f"qkscope serve: {why}; exiting")
+        gave_up.append(why)
+        server.should_exit = True
+
+    watchdog = None
+    if head is not None:
+        watchdog = HeadWatchdog(head, settings.head_check_interval_s, _say, _give_up)
     try:
-        with _serve_record(settings.home, api_url):
-            thread.start()
-            while not server.started:
-                if not thread.is_alive():
-                    raise CliError(f"the API did not start on {api_url} (is the port in use?)")
-                time.sleep(0.1)
-            print(
-                f"qkscope API on {api_url} (docs {api_url}/docs); "
-                f"Ray dashboard {settings.ray_address}",
-                file=sys.stderr,
-            )
-            if args.run:
-                code = _run_study(api_url, args.run, args.exit_when_done)
-                if code is not None:
-                    return code
-            thread.join()
-            return 0
+        thread.start()
+        while not server.started:
+            if not thread.is_alive():
+                raise CliError(f"the API did not start on {api_url}: see the error above")
+            time.sleep(0.1)
+        if watchdog is not None:
+            watchdog.start()
+        _say(
+            f"qkscope API on {api_url} (docs {api_url}/docs); web UI {api_url}/ui/; "
+            f"Ray dashboard {settings.ray_address}"
+        )
+        if args.run:
+            code = _run_study(api_url, args.run, args.exit_when_done)
+            if code is not None:
+                return code
+        thread.join()
+        if gave_up:
+            raise CliError(gave_up[0])
+        return 0
     except KeyboardInterrupt:
         return 0
     finally:
         server.should_exit = True
+        if watchdog is not None:
+            watchdog.close()
         if thread.is_alive():
             thread.join(timeout=10)
-        if head is not None:
+        if head is not None:  # started here, or taken over from a `serve` that died
             head.stop()
-            print("stopped the local Ray head", file=sys.stderr)
+            _say("stopped the local Ray head")
 
 
 def stop() -> int:
@@ -290,18 +330,22 @@ def stop() -> int:
     including a head left behind by a `serve` that was killed with SIGKILL."""
     from service.config import get_settings
     from service.ray_cluster import LocalRayHead, pid_alive
+    from service.serve_lock import SERVE_STATE, running_serve
 
     home = get_settings().home
     did = []
-    with contextlib.suppress(OSError, ValueError):
-        pid = int(json.loads((home / SERVE_STATE).read_text())["pid"])
-        if pid_alive(pid, "serve"):
-            os.kill(pid, signal.SIGTERM)  # serve stops its own Ray head on the way out
-            deadline = time.monotonic() + 90
-            while pid_alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            did.append(f"stopped qkscope serve (pid {pid})")
-        (home / SERVE_STATE).unlink(missing_ok=True)
+    record = running_serve(home)
+    if record is None:
+        (home / SERVE_STATE).unlink(missing_ok=True)  # left by a serve that died
+    elif not record.get("pid"):
+        raise CliError(f"a `qkscope serve` is starting for home {home}; try again in a moment")
+    else:
+        pid = int(record["pid"])
+        os.kill(pid, signal.SIGTERM)  # serve stops its own Ray head on the way out
+        deadline = time.monotonic() + 90
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        did.append(f"stopped qkscope serve (pid {pid}, API {record.get('api_url')})")
     head = LocalRayHead(home)
     if (state := head.recorded()) is not None:
         head._adopted_pid = int(state["pid"])

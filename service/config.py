@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     checkpoint_dir: str = ""  # shared storage for trial checkpoints; empty: home/checkpoints
     api_url: str = "http://127.0.0.1:8000"  # where the CLI finds the API (QKSCOPE_API_URL)
     reconcile_interval_s: float = Field(10.0, gt=0.0)
+    # How often `qkscope serve` checks that its embedded Ray head still runs (and restarts it).
+    head_check_interval_s: float = Field(5.0, gt=0.0)
     # Refuse studies whose resources no alive Ray node has (turn off for autoscaling clusters,
     # whose nodes appear later; the runner then shows a waiting reason instead).
     check_resources: bool = True

@@ -1,14 +1,11 @@
-"""From asked trials to Ray tasks: each trial's config, fused groups, one Ray task per group.
+"""From asked trials to what runs them: each trial's config, and the Ray task of one trial.
 
-The runner asks Optuna for trials (one by one, so a seeded random or grid sampler gives the
-same numbers and parameters whatever `fuse` is) and hands them here as `Planned` trials.
-With `fuse: 1` every trial is its own group and runs as `workers.remote.run_trial_task`, named
-`study-<id>/trial-<n>` on the Ray dashboard. With `fuse > 1` trials whose configs share a
-`workers.fusion_plan.fusion_key` (same tensor shapes and loop) form groups of at most `fuse` members
-that run as one `run_trial_group_task`, named after its members, e.g.
-`study-<id>/trials-4-7` (members 4 to 7) or `study-<id>/trials-2,5,9`. A group takes the
-resources of one trial (`resources.cpus`/`gpus`) and Ray retries it as a whole; each member
-resumes from its own checkpoint.
+The runner asks Optuna for trials (one by one, when a slot waits for one, so a seeded random
+or grid sampler gives the same numbers and parameters whatever `fuse` is) and hands them
+here as `Planned` trials. With `fuse: 1` every trial runs as its own
+`workers.remote.run_trial_task`, named `study-<id>/trial-<n>` on the Ray dashboard, which Ray
+retries (`max_retries`) and which resumes from its checkpoint. With `fuse > 1` trials go to
+slot workers instead (service/slots.py).
 """
 
 from __future__ import annotations
@@ -23,13 +20,11 @@ import ray
 from service.config import Settings
 from service.spec import StudySpec, apply_params
 from workers.config import TrialConfig
-from workers.fusion_plan import group_by_key
-from workers.remote import run_trial_group_task, run_trial_task
+from workers.remote import run_trial_task
 
-__all__ = ["Planned", "plan_groups", "submit", "suggest", "task_name", "trial_config"]
+__all__ = ["Planned", "submit", "suggest", "task_name", "trial_config"]
 
 _trial_task = ray.remote(run_trial_task)
-_group_task = ray.remote(run_trial_group_task)
 
 
 @dataclass(frozen=True)
@@ -61,10 +56,16 @@ def suggest(spec: StudySpec, trial: optuna.Trial) -> dict[str, Any]:
 
 
 def trial_config(
-    spec: StudySpec, settings: Settings, study_id: int, params: dict[str, Any], number: int
+    spec: StudySpec,
+    settings: Settings,
+    study_id: int,
+    params: dict[str, Any],
+    number: int,
+    owner: str | None = None,
 ) -> TrialConfig:
     """The base config with the trial's params, its data dir resolved and its own
-    checkpoint dir (`<checkpoint_dir>/study-<id>/trial-<n>`, also where its journal lives)."""
+    checkpoint dir (`<checkpoint_dir>/study-<id>/trial-<n>`, also where its journal lives),
+    claimed by `owner`'s trial (a directory another study left there is emptied first)."""
     config = apply_params(spec.base, params)
     task = config.task
     if task.data_dir and not Path(task.data_dir).is_absolute() and settings.data_dir:
@@ -73,22 +74,14 @@ def trial_config(
     return config.model_copy(
         update={
             "task": task,
-            "checkpoint": config.checkpoint.model_copy(update={"dir": str(ckpt_dir)}),
+            "checkpoint": config.checkpoint.model_copy(
+                update={
+                    "dir": str(ckpt_dir),
+                    "owner": None if owner is None else f"{owner}/trial-{number}",
+                }
+            ),
         }
     )
-
-
-def plan_groups(
-    spec: StudySpec, planned: list[Planned], configs: list[TrialConfig]
-) -> list[tuple[list[Planned], list[TrialConfig]]]:
-    """Split trials into launch groups: singletons with `fuse: 1`, else groups of equal
-    fusion key (configs the fused model refuses get a group of their own)."""
-    if spec.fuse <= 1:
-        return [([p], [c]) for p, c in zip(planned, configs, strict=True)]
-    return [
-        ([planned[i] for i in idx], [configs[i] for i in idx])
-        for idx in group_by_key(configs, spec.fuse)
-    ]
 
 
 def task_name(study_id: int, numbers: list[int]) -> str:
@@ -103,20 +96,15 @@ def task_name(study_id: int, numbers: list[int]) -> str:
 
 
 def submit(
-    spec: StudySpec, study_id: int, group: list[Planned], configs: list[TrialConfig], inbox: Any
+    spec: StudySpec, study_id: int, planned: Planned, config: TrialConfig, inbox: Any
 ) -> Any:
-    """Start one Ray task for the group (one trial's resources); returns its ObjectRef. A
-    single trial's task returns one result dict, a group's a list of them, in member order."""
+    """Start the Ray task of one trial (`resources.cpus`/`gpus`, Ray retries up to
+    `max_retries`); returns its ObjectRef, whose value is the trial's result dict."""
     res = spec.resources
-    numbers = [p.number for p in group]
-    dumped = [c.model_dump(mode="json", by_alias=True) for c in configs]
-    options: dict[str, Any] = {
-        "name": task_name(study_id, numbers),
-        "num_cpus": res.cpus,
-        "num_gpus": res.gpus,
-        "max_retries": spec.max_retries,
-        "retry_exceptions": False,
-    }
-    if len(group) == 1:
-        return _trial_task.options(**options).remote(dumped[0], numbers[0], inbox)
-    return _group_task.options(**options).remote(dumped, numbers, inbox)
+    return _trial_task.options(
+        name=task_name(study_id, [planned.number]),
+        num_cpus=res.cpus,
+        num_gpus=res.gpus,
+        max_retries=spec.max_retries,
+        retry_exceptions=False,
+    ).remote(config.model_dump(mode="json", by_alias=True), planned.number, inbox)

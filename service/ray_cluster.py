@@ -38,6 +38,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _listening(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something accepts TCP connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
 def job_id_for(study_id: int, attempt: int) -> str:
     """Ray job submission id: `qkscope-study-<id>-a<attempt>-<random>`.
 
@@ -104,6 +113,21 @@ class LocalRayHead:
         """The `ray start --block` process (the leader of the head's process group)."""
         return self._proc.pid if self._proc is not None else self._adopted_pid
 
+    def alive(self) -> bool:
+        """True while the head's `ray start --block` runs and its GCS and dashboard (the job
+        server) accept connections: `ray start --block` outlives a killed GCS."""
+        if self._proc is not None:
+            running = self._proc.poll() is None
+        else:
+            running = self._adopted_pid is not None and pid_alive(self._adopted_pid, "ray")
+        return running and all(_listening(p) for p in (self.gcs_port, self.dashboard_port))
+
+    def restart(self, timeout_s: float = 120.0) -> str:
+        """Clear what is left of a dead head (its process group) and start a new one on the
+        same ports; returns the dashboard URL."""
+        self.stop()
+        return self.start(timeout_s)
+
     def recorded(self) -> dict[str, Any] | None:
         """The head recorded in home if its process still runs; a stale record is removed."""
         try:
@@ -130,9 +154,13 @@ class LocalRayHead:
         while time.monotonic() < deadline:
             try:
                 JobLauncher(self.dashboard_url).list_jobs()
-                return True
             except Exception:
                 time.sleep(1.0)
+                continue
+            # Its `serve` is gone (the caller holds the home's serve lock): this one owns it.
+            state["serve_pid"] = os.getpid()
+            self.state_path.write_text(json.dumps(state))
+            return True
         self.stop()
         return False
 
@@ -180,6 +208,7 @@ class LocalRayHead:
                     "gcs_port": self.gcs_port,
                     "dashboard_port": self.dashboard_port,
                     "started_at": time.time(),
+                    "serve_pid": os.getpid(),  # the process that owns (and stops) it
                 }
             )
         )

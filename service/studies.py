@@ -14,7 +14,7 @@ from datetime import UTC
 from typing import Any
 
 import optuna
-from sqlalchemy import event, select, update
+from sqlalchemy import event, or_, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -38,6 +38,8 @@ __all__ = [
     "optuna_storage",
     "create_study",
     "launch_study",
+    "mark_ray_reachable",
+    "mark_ray_unreachable",
     "make_pruner",
     "make_sampler",
     "optuna_study_name",
@@ -46,6 +48,48 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 LIVE = (StudyStatus.PENDING, StudyStatus.RUNNING)
+# Starts every waiting_reason written while Ray's job server does not answer, so that the
+# reason is cleared once it answers again without touching the runner's own reasons
+# ("no alive node has ...").
+RAY_UNREACHABLE = "Ray cluster unreachable"
+
+
+def _first_line(e: object, limit: int = 200) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:limit]
+
+
+def mark_ray_unreachable(
+    sessions: sessionmaker[Session],
+    address: str,
+    error: object,
+    study_id: int | None = None,
+) -> int:
+    """Say on live studies (or just `study_id`) that Ray's job server at `address` does
+    not answer, instead of a silent PENDING. A reason the runner wrote is kept. Returns how
+    many studies now carry it."""
+    reason = (
+        f"{RAY_UNREACHABLE}: the job server at {address} does not answer "
+        f"({_first_line(error)}); the study starts once it does"
+    )
+    q = update(Study).where(
+        Study.status.in_(LIVE),
+        or_(Study.waiting_reason.is_(None), Study.waiting_reason.startswith(RAY_UNREACHABLE)),
+    )
+    if study_id is not None:
+        q = q.where(Study.id == study_id)
+    with session_scope(sessions) as s:
+        n = s.execute(q.values(waiting_reason=reason)).rowcount  # type: ignore[attr-defined]
+    return int(n or 0)
+
+
+def mark_ray_reachable(sessions: sessionmaker[Session], study_id: int | None = None) -> None:
+    """Clear the reasons `mark_ray_unreachable` wrote (Ray answers again)."""
+    q = update(Study).where(Study.waiting_reason.startswith(RAY_UNREACHABLE))
+    if study_id is not None:
+        q = q.where(Study.id == study_id)
+    with session_scope(sessions) as s:
+        s.execute(q.values(waiting_reason=None))
 
 
 def optuna_study_name(study_id: int) -> str:
@@ -320,7 +364,9 @@ def reconcile(
         jobs = {j.submission_id: str(j.status.value) for j in launcher.list_jobs()}
     except Exception as e:
         log.warning("reconcile: Ray's job list is unavailable (%s); next round", e)
+        mark_ray_unreachable(sessions, launcher.address, e)
         return 0
+    mark_ray_reachable(sessions)
     submitted = 0
     now = utcnow()
     for study_id, status, job_id, created_at, attempts in rows:

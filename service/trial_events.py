@@ -27,7 +27,7 @@ from service.db.models import NO_INDEX, Trial, TrialState, stored_metric_rows
 from service.db.session import session_scope, with_retry
 from service.pruning import IntermediateTracker, load_tracker
 from service.spec import StudySpec
-from workers.remote import Batch, Report, Start
+from workers.remote import Batch, Finished, Report, Start
 
 __all__ = ["Running", "TrialEvents", "take_batches"]
 
@@ -62,27 +62,44 @@ def take_batches(stream: Any) -> list[Batch]:
 
 
 class TrialEvents:
-    """Stores the starts and reports of the runner's trials (`by_number`, shared with the
-    runner) and decides pruning. Runs on the runner's thread."""
+    """Stores the starts and reports of the runner's trials and decides pruning. Runs on the
+    runner's thread.
 
-    def __init__(
-        self, spec: StudySpec, sessions: sessionmaker[Session], by_number: dict[int, Running]
-    ) -> None:
-        self.spec, self.sessions, self.by_number = spec, sessions, by_number
+    It owns the registry of open trials (`Running` by trial number): the runner `track`s a
+    trial when it launches it and `forget`s it when its outcome is recorded, so a report that
+    arrives after that (a stream is not ordered with a task's failure) finds no entry: its
+    rows are dropped, and Optuna, which already has the trial's outcome, is never asked about
+    it.
+    """
 
-    def on_batches(self, batches: list[Batch], inbox: Any) -> None:
-        """Starts first (they say where and when trials run), then reports in one write."""
-        reports: list[Report] = [r for rs, _ in batches for r in rs]
-        starts: list[Start] = [st for _, sts in batches for st in sts]
+    def __init__(self, spec: StudySpec, sessions: sessionmaker[Session]) -> None:
+        self.spec, self.sessions = spec, sessions
+        self._open: dict[int, Running] = {}
+
+    def track(self, entry: Running) -> None:
+        self._open[entry.number] = entry
+
+    def forget(self, number: int) -> None:
+        self._open.pop(number, None)
+
+    def entry(self, number: int) -> Running | None:
+        return self._open.get(number)
+
+    def on_batches(self, batches: list[Batch], inbox: Any) -> list[Finished]:
+        """Starts first (they say where and when trials run), then reports in one write;
+        returns the slot members' results that arrived (the runner finishes them)."""
+        reports: list[Report] = [r for rs, _, _ in batches for r in rs]
+        starts: list[Start] = [st for _, sts, _ in batches for st in sts]
         self.record_starts(starts)
         self.persist_reports(reports, inbox)
+        return [f for _, _, fs in batches for f in fs]
 
     def record_starts(self, starts: list[Start]) -> None:
         """Note where and when each task execution began; a second start of one launch is a
         Ray retry. `started_at` is the task's own start time, not the launch time."""
         changes: dict[int, tuple[str, int, float | None]] = {}
         for number, node, at, _execution in starts:
-            entry = self.by_number.get(number)
+            entry = self._open.get(number)
             if entry is None:
                 continue
             entry.starts += 1
@@ -122,7 +139,7 @@ class TrialEvents:
         rows: list[dict[str, Any]] = []
         last_steps: dict[int, int] = {}
         for number, step, points, execution in reports:
-            entry = self.by_number.get(number)
+            entry = self._open.get(number)
             if entry is None:
                 continue
             entry.received[execution] = entry.received.get(execution, 0) + 1
@@ -142,8 +159,12 @@ class TrialEvents:
         def write() -> None:
             with session_scope(self.sessions) as s:
                 insert_metrics(s, rows)
-                for row_id, step in last_steps.items():
-                    s.execute(update(Trial).where(Trial.id == row_id).values(last_step=step))
+                for row_id, step in last_steps.items():  # never backwards (journal replays)
+                    s.execute(
+                        update(Trial)
+                        .where(Trial.id == row_id, Trial.last_step < step)
+                        .values(last_step=step)
+                    )
                 # Rows that land after the API cancelled their trial are counted too.
                 s.execute(
                     update(Trial)
@@ -159,7 +180,7 @@ class TrialEvents:
             return
         metric = self.spec.objectives[0].metric
         for number, step, points, _execution in reports:
-            entry = self.by_number.get(number)
+            entry = self._open.get(number)
             # step 0 is the untrained model (eval_at_init): nothing to judge a run by yet
             if entry is None or step == 0 or step in entry.reported:
                 continue
@@ -171,7 +192,10 @@ class TrialEvents:
             if value is None or not math.isfinite(value):
                 continue
             entry.reported.add(step)
-            with_retry(functools.partial(entry.trial.report, value, step), "report")
+            try:
+                with_retry(functools.partial(entry.trial.report, value, step), "report")
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # finished while this report travelled: its outcome stands
             if with_retry(entry.trial.should_prune, "should_prune"):
                 inbox.prune.remote(number)
 

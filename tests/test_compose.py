@@ -75,14 +75,20 @@ def is_reference(value: str) -> bool:
     return REF.fullmatch(value) is not None
 
 
+def with_defaults(value: str) -> str:
+    """`value` as compose reads it with none of the variables set: `${X:-d}` gives d."""
+    return REF.sub(lambda m: (m["mod"] or "")[2:] if (m["mod"] or "")[:2] == ":-" else "", value)
+
+
 def published(service: dict[str, Any]) -> list[tuple[str | None, int, int]]:
-    """(host ip, host port, container port) of each short-syntax or long-syntax port."""
+    """(host ip, host port, container port) of each short-syntax or long-syntax port, with
+    `${VAR:-default}` host ports read as their defaults."""
     out: list[tuple[str | None, int, int]] = []
     for p in service.get("ports", []):
         if isinstance(p, dict):
             out.append((p.get("host_ip"), int(p["published"]), int(p["target"])))
             continue
-        parts = str(p).split(":")
+        parts = with_defaults(str(p)).split(":")
         ip = parts[0] if len(parts) == 3 else None
         out.append((ip, int(parts[-2]), int(parts[-1].split("/")[0])))
     return out
@@ -303,10 +309,17 @@ def test_api_serves_publicly_only_with_tokens(services: dict[str, dict[str, Any]
 def test_dockerfile_builds_the_project_wheel_with_its_migrations() -> None:
     text = DOCKERFILE.read_text()
     code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
-    assert re.search(r"^FROM python:3\.11-slim\b", code, re.MULTILINE)
+    base = dict(re.findall(r"^ARG (\w+)=(\S+)", code, re.MULTILINE))["BASE_IMAGE"]
+    assert base == "python:3.11-slim"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS base\b", code, re.MULTILINE)
     wheel = dockerfile_stages()["wheel"]
     assert re.search(r"pip wheel --no-deps --wheel-dir /wheels \.(?:\s|$)", wheel)
-    for src in ("service/", "workers/", "migrations/", "pyproject.toml", "setup.py", "README.md"):
+    # Every package setup.py ships (the first real build lacked qkscope/, the client package
+    # the CLI imports: the API container could not start).
+    setup_packages = re.findall(r'"(\w+)\*"', (ROOT / "setup.py").read_text())
+    assert {"service", "workers", "qkscope"} <= set(setup_packages)
+    sources = [f"{p}/" for p in setup_packages] + ["migrations/"]
+    for src in (*sources, "pyproject.toml", "setup.py", "README.md"):
         assert re.search(rf"^COPY\b[^\n]*\b{re.escape(src)}", wheel, re.MULTILINE), src
     assert re.search(r"^COPY\b[^\n]*\bstudy_defs/", code, re.MULTILINE)
     # setup.py ships migrations/ in the wheel (tests/test_packaging.py builds and checks it).
@@ -315,3 +328,108 @@ def test_dockerfile_builds_the_project_wheel_with_its_migrations() -> None:
     literal = re.findall(r"torch\s*[=<>~!]=?\s*([0-9][\w.+]*)", code)
     assert all(v == torch_pin() for v in literal), literal
     assert not re.search(r"(PASSWORD|TOKEN|SECRET)\w*\s*=", code), "no secrets in the image"
+
+
+# --- build arguments: what a user gets by default is unchanged (issue 21) -------------------
+
+
+def build_args(service: dict[str, Any]) -> dict[str, str]:
+    build = service.get("build")
+    assert isinstance(build, dict)
+    return {k: with_defaults(str(v)) for k, v in (build.get("args") or {}).items()}
+
+
+def dockerfile_arg_defaults() -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)", DOCKERFILE.read_text(), re.MULTILINE))
+
+
+def test_build_arg_defaults_are_python_slim_pytorch_index_and_no_extra_ca(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Unset, the build arguments give python:3.11-slim, torch from PyTorch's CPU/CUDA
+    index and no extra CA, in the Dockerfile and in compose alike."""
+    arg = dockerfile_arg_defaults()
+    assert arg["BASE_IMAGE"] == "python:3.11-slim"
+    assert arg["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert arg["CUDA_TORCH_INDEX_URL"].startswith("https://download.pytorch.org/whl/cu")
+    for name in ("TORCH_WHEELS", "EXTRA_CA_CERTS"):  # folders that hold nothing by default
+        folder = ROOT / arg[name]
+        assert folder.is_dir(), name
+        assert not [p for p in folder.iterdir() if p.suffix in (".whl", ".crt", ".pem")], name
+    for name in ("ray-head", "api", "ray-worker"):
+        args = build_args(services[name])
+        assert args["BASE_IMAGE"] == arg["BASE_IMAGE"], name
+        assert args["EXTRA_CA_CERTS"] == arg["EXTRA_CA_CERTS"], name
+        for key, value in args.items():
+            assert key in arg, f"{name}: build arg {key} is not an ARG of the Dockerfile"
+            assert value == arg[key], f"{name}: {key} default {value} != Dockerfile {arg[key]}"
+    assert build_target(services["api"]) == "cpu"
+    assert build_args(services["api"])["TORCH_INDEX_URL"] == arg["TORCH_INDEX_URL"]
+
+
+def test_torch_and_ca_build_args_are_used_where_pip_runs() -> None:
+    """The CA bundle is set up in the base stage (the wheel stage's pip needs PyPI too), and
+    the cpu target installs a handed-in torch wheel instead of the index when there is one."""
+    stages = dockerfile_stages()
+    assert "${EXTRA_CA_CERTS}" in stages["base"] and "/etc/pip.conf" in stages["base"]
+    cpu = stages["cpu"]
+    assert "COPY ${TORCH_WHEELS}/" in cpu and "torch-${TORCH_VERSION}*.whl" in cpu
+    assert cpu.index("COPY ${TORCH_WHEELS}/") < cpu.index("/wheels/qkscope")
+
+
+def test_dockerignore_keeps_local_state_and_secrets_out_of_the_build_context() -> None:
+    """The first real build sent .venv (GBs) and .git to the daemon; .env holds secrets."""
+    rules = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    for path in (".git", ".venv", ".env", ".qkscope", "*.db"):
+        assert path in rules, path
+    # ...but never what the Dockerfile copies.
+    for src in ("service", "workers", "migrations", "study_defs", "docker", "pyproject.toml"):
+        assert not any(r.rstrip("/") == src for r in rules), src
+    assert "!.smoke/torch-wheels" in rules and "!.smoke/extra-ca" in rules
+
+
+def smoke_override() -> dict[str, Any]:
+    data = yaml.safe_load((ROOT / "docker" / "smoke" / "compose.smoke.yml").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def test_smoke_override_has_two_cpu_workers_and_no_gpu(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    over = smoke_override()["services"]
+    workers = [n for n, s in over.items() if argv_of(s)[:2] == ["ray", "start"]]
+    assert len(workers) == 2
+    head_port = flag(argv_of(services["ray-head"]), "--port")
+    for name in workers:
+        argv = argv_of(over[name])
+        assert flag(argv, "--address") == f"ray-head:{head_port}"
+        assert flag(argv, "--num-gpus") == "0" and "--block" in argv
+        assert over[name]["image"] == "qkscope:cpu" and not gpu_devices(over[name])
+        env = env_of(over[name])
+        assert env["RAY_AUTH_MODE"] == "token" and is_reference(env["RAY_AUTH_TOKEN"])
+        assert f"checkpoints:{env['QKSCOPE_CHECKPOINT_DIR']}" in over[name]["volumes"]
+    assert over["ray-worker"]["profiles"]  # the GPU worker stays down
+    assert "ports" not in over.get("api", {})  # compose appends ports: never add here
+
+
+def test_host_ports_can_move_without_changing_the_defaults(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Another service on 8000/8265 must not stop the stack (the smoke run picks free ones)."""
+    api = [str(p) for p in services["api"]["ports"]]
+    head = [str(p) for p in services["ray-head"]["ports"]]
+    assert any(REF.search(p.rsplit(":", 1)[0]) for p in api)
+    assert any(REF.search(p.rsplit(":", 1)[0]) for p in head)
+
+
+def test_smoke_postgres_is_initialised_utf8() -> None:
+    """The first real run: initdb in a root file system without locales chose SQL_ASCII,
+    psycopg returned text as bytes and the API died reading the server version."""
+    script = (ROOT / "docker" / "smoke" / "postgres-entrypoint.sh").read_text()
+    initdb = script[script.index("initdb ") :].split(">/dev/null", 1)[0]
+    assert "--encoding=UTF8" in initdb and "UTF-8" in initdb.split("--locale=", 1)[1]

@@ -37,6 +37,14 @@ def test_installed_wheel_migrates_from_outside_the_repo(tmp_path: Path) -> None:
     assert "qkscope_migrations/env.py" in names and "qkscope_migrations/script.py.mako" in names
     versions = sorted(p.name for p in (ROOT / "migrations" / "versions").glob("0*.py"))
     assert versions and all(f"qkscope_migrations/versions/{v}" in names for v in versions)
+    ui = (
+        "index.html",
+        "style.css",
+        "js/app.js",
+        "vendor/echarts.esm.min.js",
+        "vendor/echarts.LICENSE",
+    )
+    assert all(f"service/ui/static/{f}" in names for f in ui), [n for n in names if "/ui/" in n]
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

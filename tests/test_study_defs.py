@@ -185,6 +185,8 @@ def test_reproduction_studies_ship() -> None:
         "repro_entropy_collapse.yaml",
         "gpu_bao_wikitext2.yaml",
         "gpu_dong_depth.yaml",
+        "repro_bao_target_mean.yaml",
+        "repro_dong_mlp_scale.yaml",
     }
     assert repro <= names
     by_name = {p.name: parse_spec(p.read_bytes(), "application/yaml") for p in DEFS}
@@ -195,3 +197,29 @@ def test_reproduction_studies_ship() -> None:
     zhai = by_name["repro_entropy_collapse.yaml"]
     assert zhai.base.optim.warmup_steps == 0 and zhai.base.optim.schedule == "constant"
     assert {"optim.lr", "model.qk_norm", "regularizer.lambda"} <= set(zhai.search_space)
+
+
+def test_issue_20_reruns_test_what_they_claim_to() -> None:
+    """The non-zero-mean Bao rerun and the Dong MLP-scale rerun (issue 20)."""
+    bao = _spec("repro_bao_target_mean.yaml")
+    # one full-width head: the v2 minimum holds qk_eig_mean itself at the target
+    assert bao.base.model.n_heads == 1 and bao.base.regularizer.kind == "locater"
+    target = bao.search_space["regularizer.target_mean"]
+    assert target.type == "float" and target.grid is not None and max(target.grid) > 0
+    assert 0.0 in target.grid  # the shrinkage-only baseline at the same lambda and seed
+    dong = _spec("repro_dong_mlp_scale.yaml")
+    scale = dong.search_space["model.mlp_init_std"]
+    assert scale.type == "float" and scale.grid is not None
+    # from the GPT default to beyond 1/sqrt(d_model), where the MLP is far from the identity
+    assert min(scale.grid) == 0.02 and max(scale.grid) > dong.base.model.d_model**-0.5
+    block = dong.search_space["model.block"]
+    assert block.type == "categorical" and "pure" in block.choices
+    assert dong.base.eval_at_init and dong.base.model.norm == "post"
+    for spec in (bao, dong):
+        # every swept field but the architecture is per-member, so they fuse where it pays:
+        # auto gives them 1 slot on CPU (each step keeps two cores busy) and 8 on a GPU
+        assert spec.fuse == "auto" and spec.slots == 1
+        on_gpu = spec.model_copy(
+            update={"resources": spec.resources.model_copy(update={"gpus": 1.0})}
+        )
+        assert on_gpu.slots == 8

@@ -134,6 +134,20 @@ class ModelConfig(BaseModel):
     block: BlockPreset = "custom"
     qk_norm: Literal["none", "layernorm", "sigma_reparam"] = "none"
     qk_init_std: float = Field(0.02, gt=0.0, le=10.0)
+    mlp_init_std: float = Field(
+        0.02,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Init std of both MLP weight matrices (fc and proj); every other weight but the "
+            "query/key projections keeps 0.02 (GPT). At 0.02 the MLP is nearly linear and "
+            "small next to its input (pre-activations ~0.02 sqrt(d_model)); about "
+            "1/sqrt(d_model) puts GELU in its non-linear regime and the MLP's output on the "
+            "scale of its input; the MLP's Lipschitz constant at init grows as "
+            "mlp_init_std^2 (large values: the regime of Dong et al.'s claim that MLPs slow "
+            "rank collapse). An init scale only: per trial, fusable."
+        ),
+    )
     attn_temperature: float = Field(1.0, gt=0.0, le=100.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
 
@@ -162,11 +176,24 @@ class ModelConfig(BaseModel):
 
 
 class RegularizerConfig(BaseModel):
+    """The eigenspectrum penalty added to the task loss (docs/metrics.md section 4)."""
+
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     kind: RegularizerKind = "none"
     lam: float = Field(0.0, ge=0.0, le=1e6, alias="lambda")
-    target_mean: float = Field(0.0, ge=-1e3, le=1e3)
+    target_mean: float = Field(
+        0.0,
+        ge=-1e3,
+        le=1e3,
+        description=(
+            "locater only: the t of var + (mean - t)^2, the mean over D eigenvalues of "
+            "(lambda_i - t)^2. It holds the eigen-mean over the head's rank, tr(W)/d_h "
+            "(`qk_eig_mean_rank`), at t; the D-mean tr(W)/D (`qk_eig_mean`) is held at "
+            "t * d_h / D (t itself only for one full-width head, d_h = D; two heads: t / 2). "
+            "t = 0 is plain shrinkage of W's symmetric part (docs/metrics.md section 4)."
+        ),
+    )
 
 
 class OptimConfig(BaseModel):
@@ -187,6 +214,9 @@ class CheckpointConfig(BaseModel):
 
     dir: str | None = None  # where checkpoints go; None = no checkpoints
     every_evals: int = Field(1, ge=1)
+    # Who the directory belongs to (set by the study runner): a directory left by another run
+    # is emptied before it is read (workers/checkpoints.py). None = not checked.
+    owner: str | None = None
 
 
 class TrialConfig(BaseModel):

@@ -1,10 +1,11 @@
-"""Fused trials: several trials of one architecture trained together as one `FusedGPT`.
+"""Fused trials: M trials of one architecture trained together as one `FusedGPT`.
 
-`run_trial_group(configs, reporters)` is `workers.trial.run_trial` for M trials at once.
-Each member keeps everything that makes it its own trial: hyperparameters (learning rate,
-weight decay, betas, gradient clip, regularizer kind/lambda/target mean, QK init scale,
-attention temperature), seed (and so its init, its data order and, for synthetic tasks, its
-validation set), loss, probes, metrics, reports, checkpoint and `TrialSummary`.
+`FusedRunner` is the trial engine's model runner for M slots (workers/engine.py): the engine
+admits members, steps them and finishes each alone; this module only knows tensors. Each
+member keeps everything that makes it its own trial: hyperparameters (learning rate, weight
+decay, betas, gradient clip, regularizer kind/lambda/target mean, QK init scale, attention
+temperature), seed (and so its init, its data order and, for synthetic tasks, its validation
+set), its step in its own schedule, loss, probes, metrics, reports, checkpoint and summary.
 
 The contract is equality: on CPU in float32, a member's evaluation losses match the same
 config run alone by `run_trial` (within 1e-4 relative at quickstart sizes; float rounding of
@@ -14,31 +15,28 @@ better). Large `qk_init_std` (>= ~0.2) makes a trial chaotic: it amplifies float
 to ~1e-2 by a few hundred steps, so there fused and alone part by as much as the same trial
 with 1e-7 noise on its initial weights (bench/README.md, "fused: equality").
 
-Checkpoints are written in `run_trial`'s format to the member's own `checkpoint.dir`, so a
-member can resume alone and a single trial can resume as a member.
+Slots change by re-stacking: when a member leaves or joins, every member's weights and
+optimizer state are copied out to its own GPT and torch optimizer (the checkpoint format) and
+the stack is rebuilt from them. Copies are exact, so a member that joins mid-run, or resumes
+in another slot, trains exactly as it would alone, and a stopped member costs no compute.
 
-Stopping is by **masking**, not regrouping: a member that diverges, is pruned or has not
-reached its resume step yet keeps its slot, and its weights and optimizer state are frozen by
-`torch.where` (members never mix, so its NaNs cannot reach the others). Its compute is wasted
-until the group ends; regrouping would save it at the cost of re-stacking state mid-run.
-
-Non-finite losses are detected on the device: each step folds them into a per-member "first
-bad step" without a host sync, and the host reads it every `NAN_CHECK_EVERY` steps and before
-every evaluation, so the exact step of divergence is still recorded.
+A member with lambda 0 (or regularizer none) gets no penalty term at all, not `0 * penalty`:
+a penalty that overflows for its weights cannot turn its loss into NaN.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from workers.config import TrialConfig, TrialStatus, TrialSummary
+from workers.config import RegularizerKind, TrialConfig, TrialSummary
+from workers.engine import Engine, Member, Reporter, StepOut, autocast_for, new_member
+from workers.engine import resolve_device as resolve_device
 from workers.fused_model import FusedGPT
 from workers.fusion_plan import (
     FusionError,
@@ -46,28 +44,15 @@ from workers.fusion_plan import (
     fusion_key,
     group_by_key,
 )
-from workers.model import GPT
-from workers.tasks import Task, build_task
-from workers.trial import (
-    NAN_CHECK_EVERY,
-    MetricPoint,
-    NullReporter,
-    Reporter,
-    _autocast,
-    _checkpoint_path,
-    _History,
-    _init_points,
-    _lr_lambda,
-    _optimizer,
-    _save_checkpoint,
-    _summarize,
-    _val_loss,
-    build_model,
-    probe_metrics,
-    resolve_device,
-)
 
-__all__ = ["FusionError", "check_fusable", "fusion_key", "group_by_key", "run_trial_group"]
+__all__ = [
+    "FusedRunner",
+    "FusionError",
+    "check_fusable",
+    "fusion_key",
+    "group_by_key",
+    "run_trial_group",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,10 +108,14 @@ class _BatchedOptimizer:
         self.step_count = torch.zeros(len(configs), dtype=torch.float32, device=dev)
         self.exp_avg = [torch.zeros_like(p) for p in params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in params]
+        # which parameters have optimizer state (torch keeps none for one never updated)
+        self.touched = [False] * len(params)
 
     @torch.no_grad()
-    def step(self, factor: float, active: Tensor) -> None:
-        lr = self.lr * factor
+    def step(self, factors: Tensor, active: Tensor) -> None:
+        """One update at each member's own lr factor ((M,) float64: members may be at
+        different steps of their schedules)."""
+        lr = self.lr * factors
         if self.name == "sgd":
             for p in self.params:
                 if p.grad is None:  # unused by this architecture: skipped, as torch does
@@ -140,9 +129,10 @@ class _BatchedOptimizer:
         bc2_sqrt = torch.sqrt(1 - self.beta2**step)
         decay = 1 - lr * self.wd
         one_minus_b1, one_minus_b2 = 1 - self.beta1, 1 - self.beta2
-        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True):
+        for i, (p, m, v) in enumerate(zip(self.params, self.exp_avg, self.exp_avg_sq, strict=True)):
             if p.grad is None:  # unused by this architecture: skipped, as torch does
                 continue
+            self.touched[i] = True
             g, a = p.grad, _view(active, p)
             new_p = p * _bcast(decay, p)
             new_m = m.lerp(g, _bcast(one_minus_b1, p))
@@ -165,103 +155,23 @@ def _clip_per_member(params: list[Tensor], clips: Tensor) -> Tensor:
     return total
 
 
-# --------------------------------------------------------------------------------------------
-# One member: its task, template model (probes, checkpoints) and bookkeeping
-# --------------------------------------------------------------------------------------------
+def _sync_optimizer(mem: Member, m: int, opt: _BatchedOptimizer) -> None:
+    """Member m's AdamW moments and step count into its torch optimizer's state (the format
+    torch's own AdamW keeps, so the checkpoint resumes alone as well as fused)."""
+    if opt.name != "adamw":
+        return
+    for i, p in enumerate(mem.model.parameters()):
+        if not opt.touched[i]:
+            continue  # torch keeps no state for a parameter never updated
+        mem.optimizer.state[p] = {
+            "step": opt.step_count[m].detach().cpu().clone(),
+            "exp_avg": opt.exp_avg[i][m].detach().clone(),
+            "exp_avg_sq": opt.exp_avg_sq[i][m].detach().clone(),
+        }
 
 
-@dataclass
-class _Member:
-    config: TrialConfig
-    reporter: Reporter
-    task: Task
-    model: GPT  # a plain GPT: weights copied in for probes, val loss and checkpoints
-    optimizer: torch.optim.Optimizer  # template for checkpoints in run_trial's format
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    data_gen: torch.Generator
-    probe_x: Tensor
-    val_batches: list[tuple[Tensor, Tensor]]
-    hist: _History = field(default_factory=_History.empty)
-    start: int = 0  # step resumed from
-    step: int = 0  # updates done
-    n_evals: int = 0
-    status: TrialStatus = "completed"
-    diverged_at: int | None = None
-    running: bool = True
-
-
-def _member(config: TrialConfig, reporter: Reporter, device: torch.device) -> _Member:
-    task = build_task(config.task, config.seed)
-    model = build_model(config, task).to(device)
-    optimizer = _optimizer(config, model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
-    probe_x, _ = task.train_batch(
-        config.probe_batch_size, torch.Generator().manual_seed(config.seed + 7919)
-    )
-    return _Member(
-        config=config,
-        reporter=reporter,
-        task=task,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        data_gen=torch.Generator().manual_seed(config.seed),
-        probe_x=probe_x.to(device),
-        val_batches=task.valid_batches(config.batch_size)[: config.eval_batches],
-    )
-
-
-def _load(mem: _Member, device: torch.device) -> dict[str, Any] | None:
-    ckpt = _checkpoint_path(mem.config)
-    if ckpt is None or not ckpt.exists():
-        return None
-    state: dict[str, Any] = torch.load(ckpt, map_location=device, weights_only=False)
-    mem.model.load_state_dict(state["model"])
-    mem.optimizer.load_state_dict(state["optimizer"])
-    mem.scheduler.load_state_dict(state["scheduler"])
-    mem.data_gen.set_state(state["data_gen"])
-    mem.hist, mem.start, mem.n_evals = state["history"], state["step"], state["n_evals"]
-    mem.step = mem.start
-    return state
-
-
-def _save(mem: _Member, m: int, fused: FusedGPT, opt: _BatchedOptimizer) -> None:
-    """Member m's checkpoint, in exactly the format `run_trial` writes and reads."""
-    ckpt = _checkpoint_path(mem.config)
-    assert ckpt is not None
-    fused.write_member(m, mem.model)
-    if opt.name == "adamw":
-        for i, p in enumerate(mem.model.parameters()):
-            if opt.params[i].grad is None:  # torch keeps no state for a param never updated
-                continue
-            mem.optimizer.state[p] = {
-                "step": opt.step_count[m].detach().cpu().clone(),
-                "exp_avg": opt.exp_avg[i][m].detach().clone(),
-                "exp_avg_sq": opt.exp_avg_sq[i][m].detach().clone(),
-            }
-    sched = mem.scheduler
-    sched.last_epoch = mem.step
-    lrs = [base * _lr_lambda(mem.config)(mem.step) for base in sched.base_lrs]
-    for group, lr in zip(mem.optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    sched._last_lr = lrs  # type: ignore[attr-defined]
-    _save_checkpoint(
-        ckpt,
-        {
-            "model": mem.model.state_dict(),
-            "optimizer": mem.optimizer.state_dict(),
-            "scheduler": sched.state_dict(),
-            "data_gen": mem.data_gen.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "history": mem.hist,
-            "step": mem.step,
-            "n_evals": mem.n_evals,
-        },
-    )
-
-
-def _restore_optimizer(mem: _Member, m: int, opt: _BatchedOptimizer) -> None:
-    """Member m's AdamW moments and step count from its (loaded) template optimizer."""
+def _restore_optimizer(mem: Member, m: int, opt: _BatchedOptimizer) -> None:
+    """Member m's AdamW moments and step count from its torch optimizer's state."""
     if opt.name != "adamw":
         return
     with torch.no_grad():
@@ -269,46 +179,106 @@ def _restore_optimizer(mem: _Member, m: int, opt: _BatchedOptimizer) -> None:
             st = mem.optimizer.state.get(p)
             if not st:
                 continue
+            opt.touched[i] = True
             opt.exp_avg[i][m].copy_(st["exp_avg"])
             opt.exp_avg_sq[i][m].copy_(st["exp_avg_sq"])
             opt.step_count[m] = float(st["step"])
 
 
 # --------------------------------------------------------------------------------------------
-# The group loop
+# The model runner
 # --------------------------------------------------------------------------------------------
 
 
-def _evaluate(
-    mem: _Member,
-    m: int,
-    fused: FusedGPT,
-    ctx: Any,
-    device: torch.device,
-    train_loss: float,
-    grad_norm: float,
-    penalty: float | None,
-) -> tuple[list[MetricPoint], float]:
-    """The evaluation `run_trial` makes at this step, on member m's weights."""
-    fused.write_member(m, mem.model)
-    val = _val_loss(mem.model, mem.val_batches, ctx, device)
-    points = [
-        MetricPoint("train_loss", train_loss),
-        MetricPoint("val_loss", val),
-        MetricPoint("grad_norm", grad_norm),
-        MetricPoint("lr", mem.config.optim.lr * _lr_lambda(mem.config)(mem.step)),
-    ]
-    if penalty is not None:
-        points.append(MetricPoint("reg_penalty", penalty))
-    points += probe_metrics(mem.model, mem.probe_x)
-    return points, val
+class FusedRunner:
+    """Up to `capacity` members stacked as one FusedGPT with a batched optimizer."""
+
+    def __init__(
+        self, capacity: int, device: torch.device, ctx: AbstractContextManager[Any]
+    ) -> None:
+        self.capacity, self.device, self.ctx = capacity, device, ctx
+        self.members: list[Member] = []
+        self.fused: FusedGPT | None = None
+        self.opt: _BatchedOptimizer | None = None
+
+    def place(self, members: Sequence[Member]) -> None:
+        if len(members) > self.capacity:
+            raise ValueError(f"{len(members)} members for {self.capacity} slots")
+        for slot, mem in enumerate(self.members):
+            if mem in members:  # keep its state: out to its own model, back into the stack
+                self.sync(slot, mem)
+        self.members = list(members)
+        if not members:
+            self.fused = self.opt = None
+            return
+        for mem in members:
+            check_fusable(mem.config)
+        if len({fusion_key(m.config) for m in members}) > 1:
+            raise FusionError("configs differ in fields that change the fused program")
+        configs = [m.config for m in members]
+        dev = self.device
+        self.fused = FusedGPT.from_models([m.model for m in members], dev)
+        self.opt = _BatchedOptimizer(configs, self.fused.parameters(), dev)
+        for slot, mem in enumerate(members):
+            _restore_optimizer(mem, slot, self.opt)
+        self.clips = _per_member([c.optim.grad_clip or math.inf for c in configs], dev)
+        self.use_penalty = [
+            c.regularizer.kind != "none" and c.regularizer.lam != 0.0 for c in configs
+        ]
+        # members without a penalty get none computed (not 0 * penalty): kind "none" here
+        self.kinds: list[RegularizerKind] = [
+            c.regularizer.kind if use else "none"
+            for c, use in zip(configs, self.use_penalty, strict=True)
+        ]
+        self.targets = [c.regularizer.target_mean for c in configs]
+        self.lams = _hyper(
+            [
+                c.regularizer.lam if u else 0.0
+                for c, u in zip(configs, self.use_penalty, strict=True)
+            ],
+            dev,
+        )
+        fwd = self.fused.forward
+        self.forward: Callable[[Tensor, Tensor], Tensor] = (
+            torch.compile(fwd) if configs[0].compile else fwd  # type: ignore[assignment]
+        )
+
+    def train_step(self, batches: Sequence[tuple[Tensor, Tensor]], healthy: Tensor) -> StepOut:
+        fused, opt = self.fused, self.opt
+        assert fused is not None and opt is not None
+        x = torch.stack([b[0] for b in batches])  # (M, B, T)
+        y = torch.stack([b[1] for b in batches])
+        factors = _hyper([m.lr_factor() for m in self.members], self.device)
+        with self.ctx:
+            loss = self.forward(x, y)  # (M,)
+        pen = fused.penalties(self.kinds, self.targets) if any(self.use_penalty) else None
+        per_member = loss.float()
+        if pen is not None:
+            pen32 = pen.float()
+            per_member = per_member + self.lams.to(pen32.dtype) * pen32  # lam rounded as torch does
+        bad = ~(torch.isfinite(loss) & torch.isfinite(per_member))
+        active = healthy & ~bad
+        for p in fused.parameters():
+            p.grad = None
+        torch.where(active, per_member, torch.zeros_like(per_member)).sum().backward()  # type: ignore[no-untyped-call]
+        grad_norm = _clip_per_member(fused.parameters(), self.clips)
+        opt.step(factors, active)
+        return StepOut(loss.detach(), None if pen is None else pen.detach(), grad_norm, bad)
+
+    def sync(self, slot: int, member: Member) -> None:
+        assert self.fused is not None and self.opt is not None
+        self.fused.write_member(slot, member.model)
+        _sync_optimizer(member, slot, self.opt)
+
+
+# --------------------------------------------------------------------------------------------
+# A fixed group, trained to its end
+# --------------------------------------------------------------------------------------------
 
 
 def run_trial_group(
     configs: Sequence[TrialConfig],
     reporters: Sequence[Reporter | None] | None = None,
-    *,
-    progress: Callable[[int], None] | None = None,
 ) -> list[TrialSummary]:
     """Train the configs as one fused model; one summary per config, in order.
 
@@ -318,163 +288,16 @@ def run_trial_group(
         return []
     for cfg in configs:
         check_fusable(cfg)
-    keys = {fusion_key(c) for c in configs}
-    if len(keys) > 1:
+    if len({fusion_key(c) for c in configs}) > 1:
         raise FusionError("configs differ in fields that change the fused program")
-    reps: list[Reporter] = [r or NullReporter() for r in (reporters or [None] * len(configs))]
+    reps = list(reporters) if reporters is not None else [None] * len(configs)
     if len(reps) != len(configs):
         raise ValueError(f"{len(configs)} configs but {len(reps)} reporters")
-    base = configs[0]
-    device = resolve_device(base)
-    ctx = _autocast(base, device)
-    members = [_member(c, r, device) for c, r in zip(configs, reps, strict=True)]
-    states = [_load(mem, device) for mem in members]
-    fused = FusedGPT.from_models([mem.model for mem in members], device)
-    opt = _BatchedOptimizer(configs, fused.parameters(), device)
-    for m, (mem, st) in enumerate(zip(members, states, strict=True)):
-        if st is not None:
-            _restore_optimizer(mem, m, opt)
-    n = len(members)
-    clips = _per_member([c.optim.grad_clip or math.inf for c in configs], device)
-    lams = _hyper(
-        [c.regularizer.lam if c.regularizer.kind != "none" else 0.0 for c in configs], device
-    )
-    kinds = [c.regularizer.kind for c in configs]
-    targets = [c.regularizer.target_mean for c in configs]
-    use_penalty = [
-        k != "none" and c.regularizer.lam != 0.0 for k, c in zip(kinds, configs, strict=True)
-    ]
-    factor = _lr_lambda(base)
-    forward: Callable[[Tensor, Tensor], Tensor] = (
-        torch.compile(fused.forward) if base.compile else fused.forward  # type: ignore[assignment]
-    )
-    t0 = time.perf_counter()
-
-    # eval_at_init, per member, exactly as run_trial does it
+    device = resolve_device(configs[0])
+    ctx = autocast_for(configs[0], device)
+    engine = Engine(FusedRunner(len(configs), device, ctx), device, ctx)
+    members = [new_member(c, r, device) for c, r in zip(configs, reps, strict=True)]
     for mem in members:
-        if base.eval_at_init and mem.start == 0 and mem.hist.init_points is None:
-            reg = mem.config.regularizer
-            points = _init_points(mem.model, mem.val_batches, ctx, device, reg, mem.probe_x)
-            points.insert(1, MetricPoint("lr", mem.config.optim.lr * factor(0)))
-            mem.hist.init_points = points
-            stop = mem.reporter.report(0, points)
-            if not math.isfinite(points[0].value):
-                mem.status, mem.diverged_at, mem.running = "diverged", 0, False
-            else:
-                if _checkpoint_path(mem.config) is not None:
-                    _save(mem, members.index(mem), fused, opt)
-                if stop:
-                    mem.status, mem.running = "pruned", False
-    for mem in members:
-        if mem.step >= base.steps:
-            mem.running = False
-
-    masks: dict[tuple[bool, ...], Tensor] = {}
-
-    def mask(flags: tuple[bool, ...]) -> Tensor:
-        """A device bool mask, made once per distinct pattern (no H2D copy per step)."""
-        if flags not in masks:
-            masks[flags] = torch.tensor(flags, device=device)
-        return masks[flags]
-
-    running = mask(tuple(mem.running for mem in members))
-    first_bad = torch.zeros(n, dtype=torch.int64, device=device)
-    pin = device.type == "cuda"
-    step = min((mem.step for mem in members if mem.running), default=base.steps)
-    shape = (base.batch_size, members[0].task.seq_len)
-    last_x = [torch.zeros(shape, dtype=torch.int64) for _ in members]
-    last_y = [torch.full(shape, -100, dtype=torch.int64) for _ in members]
-    loss = pen = grad_norm = torch.zeros(n, device=device)
-    while any(mem.running for mem in members) and step < base.steps:
-        stepping = tuple(mem.running and mem.step == step for mem in members)  # not waiting
-        active = running & mask(stepping)
-        for i, mem in enumerate(members):
-            if stepping[i]:
-                last_x[i], last_y[i] = mem.task.train_batch(base.batch_size, mem.data_gen)
-        x, y = torch.stack(last_x), torch.stack(last_y)  # (M, B, T)
-        if pin:
-            x, y = x.pin_memory(), y.pin_memory()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with ctx:
-            loss = forward(x, y)
-            pen = fused.penalties(kinds, targets) if any(use_penalty) else torch.zeros_like(loss)
-        pen32 = pen.float()
-        per_member = loss.float() + lams.to(pen32.dtype) * pen32  # lam rounded as torch rounds it
-        bad = active & ~(torch.isfinite(loss) & torch.isfinite(per_member))
-        first_bad = torch.where(bad & (first_bad == 0), step + 1, first_bad)
-        active = active & ~bad
-        running = running & ~bad
-        for p in fused.parameters():
-            p.grad = None
-        torch.where(active, per_member, torch.zeros_like(per_member)).sum().backward()  # type: ignore[no-untyped-call]
-        grad_norm = _clip_per_member(fused.parameters(), clips)
-        opt.step(factor(step), active)
-        step += 1
-        for i, mem in enumerate(members):
-            if stepping[i]:
-                mem.step = step
-        if progress is not None:
-            progress(step)
-        at_eval = step % base.eval_every == 0 or step == base.steps
-        if not at_eval and step % NAN_CHECK_EVERY != 0:
-            continue
-        # host decisions: divergence first (exact step), then evaluations
-        bad_at = first_bad.tolist()
-        for mem, b in zip(members, bad_at, strict=True):
-            if mem.running and b:
-                mem.status, mem.diverged_at, mem.running = "diverged", b, False
-                mem.step = b - 1
-        if not at_eval:
-            continue
-        losses, norms, pens = loss.tolist(), grad_norm.tolist(), pen.tolist()
-        for m, mem in enumerate(members):
-            if not (stepping[m] and mem.running):
-                continue
-            points, val = _evaluate(
-                mem,
-                m,
-                fused,
-                ctx,
-                device,
-                losses[m],
-                norms[m],
-                pens[m] if use_penalty[m] else None,
-            )
-            mem.hist.steps.append(step)
-            mem.hist.val_losses.append(val)
-            mem.hist.train_losses.append(losses[m])
-            mem.hist.min_norm_entropies.append(
-                min((p.value for p in points if p.name == "attn_entropy_norm"), default=math.nan)
-            )
-            mem.hist.last_points = points
-            mem.n_evals += 1
-            stop = mem.reporter.report(step, points)
-            if not math.isfinite(val):
-                mem.status, mem.diverged_at, mem.running = "diverged", step, False
-                continue
-            if (
-                _checkpoint_path(mem.config) is not None
-                and mem.n_evals % mem.config.checkpoint.every_evals == 0
-            ):
-                _save(mem, m, fused, opt)
-            if stop:
-                mem.status, mem.running = "pruned", False
-        for mem in members:
-            if mem.step >= base.steps:
-                mem.running = False
-        running = mask(tuple(mem.running for mem in members)) & ~(first_bad > 0)
-
-    elapsed = time.perf_counter() - t0
-    return [
-        _summarize(
-            mem.config,
-            mem.task,
-            mem.hist,
-            mem.status,
-            mem.step - mem.start,
-            mem.diverged_at,
-            elapsed,
-            device,
-        ).model_copy(update={"steps_done": mem.step})
-        for mem in members
-    ]
+        engine.admit(mem)
+    engine.run()
+    return [m.summary for m in members if m.summary is not None]

@@ -173,23 +173,28 @@ class FusedGPT:
         return torch.stack(w_q, dim=1), torch.stack(w_k, dim=1)
 
     def penalties(self, kinds: Sequence[RegularizerKind], target_means: Sequence[float]) -> Tensor:
-        """Each member's own regularizer, mean over layers and heads: (M,); 0 for kind none."""
-        w_q, w_k = self.qk_weights()
-        out = torch.zeros(self.n_members, device=w_q.device, dtype=w_q.dtype)
-        if "spectral_variance" in kinds:
-            sv = spectral_variance_penalty(w_q, w_k).mean(dim=(1, 2)).float()
-            use = torch.tensor([k == "spectral_variance" for k in kinds], device=w_q.device)
-            out = torch.where(use, sv, out)
-        for target in sorted(
-            {t for k, t in zip(kinds, target_means, strict=True) if k == "locater"}
-        ):
-            # members sharing a target mean: one batched call of the same penalty function
-            idx = [
-                m
-                for m, (k, t) in enumerate(zip(kinds, target_means, strict=True))
-                if k == "locater" and t == target
-            ]
-            sel = torch.tensor(idx, device=w_q.device)
-            loc = locater_penalty(w_q[sel], w_k[sel], target).mean(dim=(1, 2)).float()
-            out = out.index_copy(0, sel, loc)
+        """Each member's own regularizer, mean over layers and heads: (M,); 0 for kind none.
+
+        Computed only on the members that use each penalty (an index subset): a member of
+        kind none gets a constant 0 with no graph through its weights, so a penalty that would
+        overflow for it cannot reach its loss or its gradient. In float32 (or wider) with
+        autocast disabled, as `workers.regularizers` computes each penalty: under bf16
+        autocast `||W_sym||_F^2 / D - mean^2` cancels and can come out negative.
+        """
+        with torch.autocast(self.params["tok_emb.weight"].device.type, enabled=False):
+            w_q, w_k = self.qk_weights()
+            dtype = torch.promote_types(w_q.dtype, torch.float32)
+            w_q, w_k = w_q.to(dtype), w_k.to(dtype)
+            out = torch.zeros(self.n_members, device=w_q.device, dtype=dtype)
+            groups: dict[tuple[str, float], list[int]] = {}
+            for m, (k, t) in enumerate(zip(kinds, target_means, strict=True)):
+                if k != "none":
+                    groups.setdefault((k, t if k == "locater" else 0.0), []).append(m)
+            for (kind, target), idx in sorted(groups.items()):
+                sel = torch.tensor(idx, device=w_q.device)
+                if kind == "spectral_variance":
+                    val = spectral_variance_penalty(w_q[sel], w_k[sel])
+                else:  # members sharing a target mean: one batched call of the same function
+                    val = locater_penalty(w_q[sel], w_k[sel], target)
+                out = out.index_copy(0, sel, val.mean(dim=(1, 2)).to(dtype))
         return out

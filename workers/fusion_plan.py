@@ -11,7 +11,20 @@ from collections.abc import Sequence
 
 from workers.config import TrialConfig
 
-__all__ = ["PER_MEMBER_FIELDS", "FusionError", "check_fusable", "fusion_key", "group_by_key"]
+__all__ = [
+    "AUTO_FUSE_MAX_FLOPS",
+    "PER_MEMBER_FIELDS",
+    "FusionError",
+    "auto_fuse",
+    "check_fusable",
+    "estimated_params",
+    "fusion_key",
+    "group_by_key",
+    "member_bytes",
+    "slots_that_fit",
+    "step_flops",
+    "vocab_bound",
+]
 
 # Fields that may differ between members; everything else must be equal (the fusion key).
 PER_MEMBER_FIELDS: dict[str, tuple[str, ...]] = {
@@ -26,7 +39,7 @@ PER_MEMBER_FIELDS: dict[str, tuple[str, ...]] = {
         "trapped_rel_gap",
     ),
     "optim": ("lr", "weight_decay", "beta1", "beta2", "grad_clip"),
-    "model": ("qk_init_std", "attn_temperature"),
+    "model": ("qk_init_std", "mlp_init_std", "attn_temperature"),
 }
 
 
@@ -81,3 +94,77 @@ def group_by_key(configs: Sequence[TrialConfig], max_size: int) -> list[list[int
             groups.append(group)
         group.append(i)
     return groups
+
+
+def estimated_params(config: TrialConfig, vocab_size: int) -> int:
+    """Parameters of the trial's GPT, counted from its shapes (an upper bound: every norm
+    and QK-norm weight and bias counted, the head tied to the token embedding)."""
+    m, t = config.model, config.task.seq_len
+    d, f, layers = m.d_model, m.d_ff, m.n_layers
+    per_layer = 4 * d * d + (2 * d * f if m.mlp else 0) + 4 * d + 4 * m.d_head
+    return vocab_size * d + t * d + layers * per_layer + 2 * d
+
+
+def member_bytes(config: TrialConfig, vocab_size: int) -> int:
+    """An estimate of the accelerator memory one fused member needs, in bytes.
+
+    Parameters four times over in float32 (weights, gradients, AdamW's two moments), the
+    activations a training step keeps for backward at the config's batch and sequence length
+    (per layer: the residual stream, q/k/v, attention output, the MLP's hidden layer and the
+    norms, about 12 d_model + 2 d_ff floats per token, plus the attention probabilities when
+    the attention kernel materialises them), and the logits with their gradient. It errs
+    high on purpose: a slot count from it should fit, and an out-of-memory still shrinks the
+    worker (workers/remote.py).
+    """
+    m, b, t = config.model, config.batch_size, config.task.seq_len
+    d, f, h, layers = m.d_model, m.d_ff, m.n_heads, m.n_layers
+    params = estimated_params(config, vocab_size)
+    per_layer = b * t * (12 * d + 2 * f) + b * h * t * t
+    logits = 3 * b * t * vocab_size
+    return 4 * (4 * params + layers * per_layer + logits)
+
+
+def slots_that_fit(config: TrialConfig, vocab_size: int, free_bytes: int, wanted: int) -> int:
+    """How many of `wanted` members fit in `free_bytes` (80 % of it, never fewer than one)."""
+    return max(1, min(wanted, int(0.8 * free_bytes) // max(1, member_bytes(config, vocab_size))))
+
+
+AUTO_FUSE_MAX_FLOPS = 1e9
+"""Below this many training FLOPs per step one trial cannot keep two CPU cores busy and fusion
+pays (measured on 2 cores, bench/README.md: 1.8x the tokens/s at 1L d32 and 2.0x at 2L d64,
+both < 0.4 GFLOP/step; 0.98x at 4L d128, 2.6 GFLOP/step; and 0.94x for the Bao study's
+1-layer d128 word LM, 1.1 GFLOP/step of which 0.8 is the vocabulary-2000 head)."""
+AUTO_FUSE_CPU = 4
+AUTO_FUSE_GPU = 8
+
+
+def vocab_bound(config: TrialConfig) -> int:
+    """The task's vocabulary, or an upper bound of it, without building the task: the cap
+    for language modelling, 2 x symbols + 2 for the synthetic tasks (associative recall;
+    sort and copy use symbols + 2)."""
+    t = config.task
+    return t.vocab_cap if t.kind == "lm" else 2 * t.n_symbols + 2
+
+
+def step_flops(config: TrialConfig, vocab_size: int | None = None) -> float:
+    """Training FLOPs of one step: 6 x weights x tokens for the blocks and the tied head
+    (vocabulary x d_model; `vocab_bound` unless given), plus the attention scores (12 x
+    layers x d_model x seq_len per token). The embedding lookup costs no matmul."""
+    m, tokens = config.model, config.batch_size * config.task.seq_len
+    vocab = vocab_bound(config) if vocab_size is None else vocab_size
+    weights = m.n_layers * (4 * m.d_model**2 + (2 * m.d_model * m.d_ff if m.mlp else 0))
+    weights += vocab * m.d_model
+    return float(6 * weights * tokens + 12 * m.n_layers * m.d_model * config.task.seq_len * tokens)
+
+
+def auto_fuse(config: TrialConfig, gpus: float) -> int:
+    """The slots per worker `fuse: auto` gives: 1 for a config the fused model refuses; on a
+    GPU, AUTO_FUSE_GPU (the worker lowers it to what its memory estimate says fits); on CPU,
+    AUTO_FUSE_CPU for small steps (AUTO_FUSE_MAX_FLOPS), else 1."""
+    try:
+        check_fusable(config)
+    except FusionError:
+        return 1
+    if gpus > 0:
+        return AUTO_FUSE_GPU
+    return AUTO_FUSE_CPU if step_flops(config) < AUTO_FUSE_MAX_FLOPS else 1

@@ -96,6 +96,9 @@ SERIES: tuple[Series, ...] = (
     Series("attn_entropy_norm", "attention entropy over log(keys attended), in [0, 1]", "head"),
     Series("qk_eig_mean", "mean eigenvalue of a head's QK bilinear form tr(W)/D", "head"),
     Series("qk_eig_var", "variance of the eigenvalues of the symmetric part of W", "head"),
+    Series(
+        "qk_eig_mean_rank", "eigen-mean over the head's rank tr(W)/d_h (locater's target)", "head"
+    ),
 )
 
 SUMMARIES: tuple[Summary, ...] = (

@@ -24,6 +24,7 @@ __all__ = [
     "normalized_attention_entropy",
     "plateau_stats",
     "qk_eigen_stats",
+    "qk_eig_mean_rank",
     "qk_eigen_stats_factored",
     "qk_matrix",
     "qk_sym_moments",
@@ -117,3 +118,15 @@ def qk_eigen_stats_factored(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, Tensor]:
     """`qk_eigen_stats(qk_matrix(w_q, w_k))` for (..., d_h, D) weights, in O(d_h^2 D). [3]"""
     mean, sym_sq = qk_sym_moments(w_q, w_k)
     return mean, sym_sq - mean.square()
+
+
+def qk_eig_mean_rank(w_q: Tensor, w_k: Tensor) -> Tensor:
+    """tr(W) / d_h for (..., d_h, D) weights: the eigen-mean over the head's rank. [3, 4]
+
+    W is the same `qk_matrix(w_q, w_k)` as in `qk_eigen_stats_factored`; only the divisor
+    differs (d_h, not D). W has rank <= d_h, so for a multi-head model (d_h < D) this is
+    the number the LocAteR-style penalty holds at `target_mean` (its D-mean is held at
+    target_mean * d_h / D); with one full-width head (d_h = D) it equals `qk_eig_mean`.
+    """
+    d_h = w_q.shape[-2]
+    return (w_q * w_k).sum(dim=(-2, -1)) / (math.sqrt(d_h) * d_h)

@@ -3,9 +3,11 @@
 nanoGPT-shaped, with the switches the two papers need: residual connections
 and MLPs on or off (the four variants of Dong et al. 2021, plus the authors'
 attention + MLP variant whose MLP keeps its own skip), LayerNorm placement,
-QK normalisation baselines (QK-LayerNorm, sigma-reparam of Zhai et al. 2023) and
+QK normalisation baselines (QK-LayerNorm, sigma-reparam of Zhai et al. 2023),
 the init scale of the query/key projections, the most direct knob on the QK
-eigenspectrum at initialisation (Bao et al. 2024).
+eigenspectrum at initialisation (Bao et al. 2024), and the init scale of the MLP
+weights (`mlp_init_std`: Dong et al.'s MLP argument needs MLPs with a large
+Lipschitz constant, which GPT's std 0.02 does not give).
 
 `GPT.forward` is the training path (fused `scaled_dot_product_attention`);
 `GPT.probe` recomputes attention explicitly and returns every layer's attention
@@ -215,9 +217,22 @@ class GPT(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
+        """GPT init (normal, std 0.02), then the query/key and MLP scales of the config.
+
+        The MLP weights take `mlp_init_std` in the same draw as everything else (same order,
+        same number of draws), so at the default 0.02 the model is bit-identical to the one
+        built before the knob existed.
+        """
+        mlp_layers = {
+            id(layer)
+            for block in self.blocks
+            if isinstance(block, Block) and block.mlp is not None
+            for layer in (block.mlp.fc, block.mlp.proj)
+        }
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding | SigmaReparamLinear):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                std = self.cfg.mlp_init_std if id(module) in mlp_layers else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
         for block in self.blocks:
             assert isinstance(block, Block)
             for proj in (block.attn.q_proj, block.attn.k_proj):

@@ -1,7 +1,10 @@
 """Ray glue for trials: the tasks a worker node runs and the inbox they report to.
 
-`run_trial_task` runs one trial; `run_trial_group_task` runs a fused group (`fuse > 1`, see
-workers/fused.py) with one reporter, journal and checkpoint per member, so everything below
+`run_trial_task` runs one trial (`fuse: 1`); `run_slot_worker_task` is a fused worker
+(`fuse > 1`, see workers/fused.py) that holds up to `fuse` member slots for its life: the runner
+assigns it trials through the inbox, each member reports and finishes on its own (its row is
+finished the moment it stops) and its slot takes the next assigned trial while the others
+keep training. Every member has its own reporter, journal and checkpoint, so everything below
 holds per member exactly as per single trial.
 
 The study runner owns a `TrialInbox` actor. Each trial task tells it once that it
@@ -34,16 +37,20 @@ from typing import Any
 
 import ray
 
+from workers.checkpoints import claim_dir
 from workers.config import MetricPoint, TrialConfig, TrialSummary
+from workers.fusion_plan import slots_that_fit
 
 __all__ = [
     "Batch",
     "InboxReporter",
+    "Assignment",
+    "Finished",
     "Report",
     "Start",
     "TrialInbox",
     "check_gpus",
-    "run_trial_group_task",
+    "run_slot_worker_task",
     "run_trial_task",
 ]
 
@@ -51,21 +58,28 @@ Points = list[tuple[str, int | None, int | None, float]]
 Report = tuple[int, int, Points, str]  # (trial, step, points, execution id)
 JOURNAL = "reports.jsonl"
 Start = tuple[int, str, float, str]  # (trial, node, unix time, execution id): a task began
-Batch = tuple[list[Report], list[Start]]
+Finished = tuple[int, dict[str, Any]]  # (trial, result): a slot member stopped
+Assignment = tuple[dict[str, Any], int]  # (trial config, trial number) for a slot worker
+Batch = tuple[list[Report], list[Start], list[Finished]]
 ACK_TIMEOUT_S = 120.0  # how long a finished trial waits for its last reports to be received
 
 
 @ray.remote(num_cpus=0)
 class TrialInbox:
-    """Buffers trial reports and starts until the runner's stream takes them; holds prune
-    decisions. An async actor: its methods never block each other."""
+    """Buffers trial reports, starts and slot members' results until the runner's stream takes
+    them; holds prune decisions and the trials assigned to each slot worker. An async actor:
+    its methods never block each other."""
 
     def __init__(self) -> None:
         self._reports: list[Report] = []
         self._starts: list[Start] = []
+        self._finished: list[Finished] = []
         self._prune: set[int] = set()
         self._event = asyncio.Event()
         self._closed = False
+        self._assigned: dict[str, list[Assignment]] = {}
+        self._worker_events: dict[str, asyncio.Event] = {}
+        self._closed_workers: set[str] = set()
 
     async def started(self, trial: int, node: str, at: float, execution: str) -> None:
         self._starts.append((trial, node, at, execution))
@@ -80,9 +94,41 @@ class TrialInbox:
     async def prune(self, trial: int) -> None:
         self._prune.add(trial)
 
+    async def finished(self, trial: int, result: dict[str, Any]) -> None:
+        """A slot member stopped (completed, pruned, diverged) or was handed back."""
+        self._finished.append((trial, result))
+        self._event.set()
+
+    # ---- slot workers: the runner assigns, a worker takes -------------------------------------
+
+    def _worker_event(self, worker: str) -> asyncio.Event:
+        return self._worker_events.setdefault(worker, asyncio.Event())
+
+    async def assign(self, worker: str, items: list[Assignment]) -> None:
+        self._assigned.setdefault(worker, []).extend(items)
+        self._worker_event(worker).set()
+
+    async def close_worker(self, worker: str) -> None:
+        """No more trials for this worker: it exits once its members have finished."""
+        self._closed_workers.add(worker)
+        self._worker_event(worker).set()
+
+    async def take(self, worker: str) -> list[Assignment] | None:
+        """The trials assigned to `worker` (waits until there are some); None once it is
+        closed and has nothing left to take. A worker calls it only with a slot free."""
+        event = self._worker_event(worker)
+        while True:
+            items = self._assigned.pop(worker, [])
+            if items:
+                return items
+            if worker in self._closed_workers:
+                return None
+            event.clear()
+            await event.wait()
+
     def _take(self) -> Batch:
-        batch = (self._reports, self._starts)
-        self._reports, self._starts = [], []
+        batch = (self._reports, self._starts, self._finished)
+        self._reports, self._starts, self._finished = [], [], []
         return batch
 
     async def drain(self) -> Batch:
@@ -97,7 +143,7 @@ class TrialInbox:
         while True:
             await self._event.wait()
             self._event.clear()
-            if self._reports or self._starts:
+            if self._reports or self._starts or self._finished:
                 yield self._take()
             if self._closed:
                 return
@@ -122,6 +168,7 @@ class InboxReporter:
     ) -> None:
         self._inbox, self._trial, self._journal = inbox, trial, journal
         self._execution = execution
+        self.execution = execution
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._pruned = False
         self.sent = 0
@@ -205,8 +252,10 @@ def _node() -> str:
 
 
 def _reporter(inbox: Any, trial: int, config: TrialConfig, execution: str) -> InboxReporter:
-    """A trial's reporter, journaling beside its checkpoint; the journal is replayed first."""
+    """A trial's reporter, journaling beside its checkpoint; the journal is replayed first
+    (after the directory is claimed: a foreign run's journal is never replayed)."""
     ckpt_dir = config.checkpoint.dir
+    claim_dir(ckpt_dir, config.checkpoint.owner)
     journal = Path(ckpt_dir) / JOURNAL if ckpt_dir else None
     reporter = InboxReporter(inbox, trial, journal, execution)
     reporter.replay()
@@ -256,34 +305,139 @@ def _result(
     }
 
 
-def run_trial_group_task(
-    configs: list[dict[str, Any]], trials: list[int], inbox: Any
-) -> list[dict[str, Any]]:
-    """Body of the Ray task of a fused group: `run_trial_task` for several trials at once.
+class _SlotWorker:
+    """The worker side of a fused worker's life: admit assigned trials into free slots, train,
+    and send each member's result the moment it stops. Never blocks the training loop: the
+    next assignment is awaited on a future (`TrialInbox.take`) checked once per step, and only
+    waited for when no member is left to train."""
 
-    The members train as one fused model (`workers.fused.run_trial_group`); each keeps its
-    own trial number, reporter, journal and checkpoint, so starts, reports, prune answers,
-    retries and resumes work per member exactly as for a single trial (members of a retried
-    group may resume at different steps). Returns one result per member, in order, with the
-    fields `run_trial_task` returns.
+    def __init__(self, worker: str, capacity: int, inbox: Any) -> None:
+        self.worker, self.inbox, self.capacity = worker, inbox, capacity
+        self.node = _node()
+        self.engine: Any = None  # a workers.engine.Engine, made with the first member's device
+        self.device: Any = None
+        self.reporters: dict[int, InboxReporter] = {}  # members training now
+        self.all_reporters: list[InboxReporter] = []
+        self.started: dict[int, float] = {}
+        self.admitted = 0
+
+    def _start_engine(self, config: TrialConfig) -> None:
+        # torch is imported by the worker process only, never by the runner
+        from workers.engine import Engine, autocast_for, resolve_device
+        from workers.fused import FusedRunner
+
+        self.device = resolve_device(config)
+        ctx = autocast_for(config, self.device)
+        runner = FusedRunner(self.capacity, self.device, ctx)
+        self.engine = Engine(runner, self.device, ctx, on_finish=self._finished)
+
+    def _finished(self, mem: Any) -> None:
+        trial = int(mem.tag)
+        reporter = self.reporters.pop(trial)
+        result = _result(
+            mem.summary,
+            reporter,
+            self.node,
+            reporter.execution,
+            self.started.pop(trial),
+            time.time(),
+        )
+        self.inbox.finished.remote(trial, result)
+
+    def admit(self, items: list[Assignment]) -> None:
+        from workers.engine import new_member
+
+        for config_dict, trial in items:
+            config = TrialConfig.model_validate(config_dict)
+            if self.engine is not None and self.engine.free_slots <= 0:
+                self._hand_back(trial)  # more than fits: the runner places it elsewhere
+                continue
+            if self.engine is None:
+                self._start_engine(config)
+            execution = secrets.token_hex(6)
+            self.started[trial] = time.time()
+            self.inbox.started.remote(trial, self.node, self.started[trial], execution)
+            reporter = _reporter(self.inbox, trial, config, execution)
+            self.reporters[trial] = reporter
+            self.all_reporters.append(reporter)
+            self.admitted += 1
+            member = new_member(config, reporter, self.device, tag=trial)
+            if self.admitted == 1:
+                self._fit_slots(member)
+            self.engine.admit(member)
+
+    def _fit_slots(self, member: Any) -> None:
+        """On a GPU, as many slots as the memory estimate says fit in the free memory."""
+        import torch
+
+        if self.device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        fit = slots_that_fit(member.config, member.task.vocab_size, free, self.capacity)
+        self.capacity = self.engine.runner.capacity = fit
+
+    def _hand_back(self, trial: int) -> None:
+        """Give a trial back to the runner untrained here, with this worker's slot count."""
+        self.reporters.pop(trial, None)
+        self.started.pop(trial, None)
+        self.inbox.finished.remote(trial, {"returned": True, "slots": self.capacity})
+
+    def on_out_of_memory(self) -> None:
+        """The device ran out of memory mid-step: hand every member back (each resumes from
+        its own checkpoint, in a worker with one slot fewer) instead of failing them all."""
+        import torch
+
+        running = list(self.engine.running) if self.engine is not None else []
+        self.capacity = max(1, len(running) - 1)
+        for mem in running:
+            self._hand_back(int(mem.tag))
+        self.engine = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def run(self, first: list[Assignment]) -> dict[str, Any]:
+        import torch
+
+        self.admit(first)
+        poll: concurrent.futures.Future[Any] | None = None
+        closed = False
+        while True:
+            busy = self.engine is not None and bool(self.engine.running)
+            free = self.engine is None or self.engine.free_slots > 0
+            if poll is None and free and not closed:
+                poll = self.inbox.take.remote(self.worker).future()
+            if poll is not None and (poll.done() or not busy):
+                items = poll.result()  # waits only when no member is left to train
+                poll = None
+                if items is None:
+                    closed = True
+                else:
+                    self.admit(items)
+                continue
+            if not busy:
+                break
+            try:
+                self.engine.iterate()
+            except torch.OutOfMemoryError:
+                self.on_out_of_memory()
+                break
+        for reporter in self.all_reporters:
+            reporter.flush()
+        steps = self.engine.steps_run if self.engine is not None else 0
+        return {"worker": self.worker, "node": self.node, "members": self.admitted, "steps": steps}
+
+
+def run_slot_worker_task(
+    worker: str, capacity: int, first: list[Assignment], inbox: Any
+) -> dict[str, Any]:
+    """Body of the Ray task of a fused worker (`fuse > 1`): up to `capacity` member slots.
+
+    Trains the trials assigned to `worker` (first `first`, then whatever the runner assigns
+    through the inbox) as one fused model; each member announces its start, reports, and
+    sends its result (`TrialInbox.finished`, the fields `run_trial_task` returns) the moment
+    it stops, and its slot is free at once. Exits when the runner closes the worker and its
+    last member has finished. Members whose checkpoint directory records a stop are finished
+    without training (a retry, a runner restart). Returns what the worker did.
     """
-    from workers.fused import run_trial_group  # only fused tasks pay for the fused model
-
-    if len(configs) != len(trials):
-        raise ValueError(f"{len(configs)} configs but {len(trials)} trial numbers")
-    started = time.time()
-    node = _node()
-    execution = secrets.token_hex(6)  # one execution of the group: shared by its members
-    for trial in trials:
-        inbox.started.remote(trial, node, started, execution)
-    check_gpus(ray.get_gpu_ids(), node)
-    parsed = [TrialConfig.model_validate(c) for c in configs]
-    reporters = [_reporter(inbox, t, c, execution) for t, c in zip(trials, parsed, strict=True)]
-    summaries = run_trial_group(parsed, reporters)
-    for reporter in reporters:
-        reporter.flush()
-    finished = time.time()
-    return [
-        _result(summary, reporter, node, execution, started, finished)
-        for summary, reporter in zip(summaries, reporters, strict=True)
-    ]
+    check_gpus(ray.get_gpu_ids(), _node())
+    return _SlotWorker(worker, capacity, inbox).run(first)

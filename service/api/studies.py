@@ -13,12 +13,13 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import LauncherDep, SessionDep, SettingsDep
 from service.api.errors import ApiError, validation_errors
+from service.api.openapi import error, not_found
 from service.api.schemas import FieldError, Page, StudyOut, TrialOut
 from service.db import queries
 from service.db.models import Study, StudyStatus, Trial, TrialState
 from service.resources import unmet
 from service.spec import SpecError, StudySpec, check_limits, parse_spec
-from service.studies import cancel_study, create_study, launch_study
+from service.studies import cancel_study, create_study, launch_study, mark_ray_unreachable
 
 __all__ = ["router"]
 
@@ -106,7 +107,16 @@ async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
             },
         }
     },
-    responses={422: {"description": "invalid study definition"}},
+    responses={
+        200: {
+            "model": StudyOut,
+            "description": "the study an earlier request with this Idempotency-Key created",
+        },
+        400: error("the body is not valid JSON or YAML"),
+        413: error("the body is larger than QKSCOPE_MAX_BODY_BYTES"),
+        415: error("a content type other than JSON or YAML"),
+        422: error("an invalid study definition, every bad field named in errors[].field"),
+    },
 )
 async def submit_study(
     request: Request,
@@ -147,6 +157,9 @@ async def submit_study(
             launch_study(sessions, launcher, settings, row.id, seen_attempts=0)
         except Exception as e:  # the reconciler retries PENDING studies
             log.warning("study %d stays PENDING: submit failed: %s", row.id, e)
+            mark_ray_unreachable(sessions, settings.ray_address, e, study_id=row.id)
+    elif settings.ray_address:  # the job server did not answer when we last tried
+        mark_ray_unreachable(sessions, settings.ray_address, "no connection", study_id=row.id)
     return StudyOut.of(_get_study(session, row.id))
 
 
@@ -174,12 +187,12 @@ def list_studies(
     )
 
 
-@router.get("/studies/{study_id}", response_model=StudyOut)
+@router.get("/studies/{study_id}", response_model=StudyOut, responses=not_found("study"))
 def get_study(session: SessionDep, study_id: StudyId) -> StudyOut:
     return StudyOut.of(_get_study(session, study_id))
 
 
-@router.post("/studies/{study_id}/cancel", response_model=StudyOut)
+@router.post("/studies/{study_id}/cancel", response_model=StudyOut, responses=not_found("study"))
 def cancel(
     request: Request,
     session: SessionDep,
@@ -225,7 +238,9 @@ _WHERE_DOC = (
 _SORT_DOC = f"params.<path> or one of {_FIELDS}; a leading `-` sorts descending."
 
 
-@router.get("/studies/{study_id}/trials", response_model=Page[TrialOut])
+@router.get(
+    "/studies/{study_id}/trials", response_model=Page[TrialOut], responses=not_found("study")
+)
 def list_trials(
     session: SessionDep,
     study_id: StudyId,
@@ -267,13 +282,13 @@ def list_trials(
     )
 
 
-@router.get("/studies/{study_id}/summary")
+@router.get("/studies/{study_id}/summary", responses=not_found("study"))
 def summary(session: SessionDep, study_id: StudyId) -> dict[str, Any]:
     """Counts by state, collapse rates, best value, progress and ETA."""
     return queries.study_summary(session, _get_study(session, study_id))
 
 
-@router.get("/studies/{study_id}/best", response_model=list[TrialOut])
+@router.get("/studies/{study_id}/best", response_model=list[TrialOut], responses=not_found("study"))
 def best_trials(
     session: SessionDep, study_id: StudyId, feasible_only: bool = True
 ) -> list[TrialOut]:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Path, Query
 
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
+from service.api.openapi import not_found
 from service.api.schemas import FieldError, MetricOut, TrialOut
 from service.db import queries
 from service.db.models import Trial
@@ -32,12 +33,14 @@ def _get_trial(session: SessionDep, trial_id: TrialId) -> Trial:
     return row
 
 
-@router.get("/trials/{trial_id}", response_model=TrialOut)
+@router.get("/trials/{trial_id}", response_model=TrialOut, responses=not_found("trial"))
 def get_trial(session: SessionDep, trial_id: TrialId) -> TrialOut:
     return TrialOut.of(_get_trial(session, trial_id), with_summary=True)
 
 
-@router.get("/trials/{trial_id}/metrics", response_model=list[MetricOut])
+@router.get(
+    "/trials/{trial_id}/metrics", response_model=list[MetricOut], responses=not_found("trial")
+)
 def get_metrics(
     session: SessionDep,
     trial_id: TrialId,

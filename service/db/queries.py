@@ -271,5 +271,6 @@ def study_summary(s: Session, study: Study) -> dict[str, Any]:
         "best_trial_id": best.id if best else None,
         "best_params": best.params if best else None,
         "eta_s": eta,
+        "waiting_reason": study.waiting_reason,  # why nothing starts (no node fits, no Ray)
         "updated_at": datetime.now().astimezone().isoformat(),
     }

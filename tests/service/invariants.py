@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from service.db.models import CURRENT_PENALTY_VERSION, Metric, Study, Trial
 from service.db.session import make_engine, make_sessionmaker, normalize_url
 
-ATTN = ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var")
+ATTN = ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var", "qk_eig_mean_rank")
 
 
 def expected_metric_keys(
@@ -93,6 +93,10 @@ def _check_metric_rows(s: Session, spec: dict[str, Any], trials: list[Trial]) ->
         }
         count = s.scalar(select(func.count()).where(Metric.trial_id == t.id))
         assert t.metric_rows == count, (t.number, t.metric_rows, count)
+        if t.state != "FAILED" and got:  # nothing trained (or reported) past where it stopped
+            stopped_at = int((t.summary or {})["steps_done"])
+            assert max(k[3] for k in got) <= stopped_at, (t.number, t.state, stopped_at)
+            assert t.last_step == stopped_at, (t.number, t.last_step, stopped_at)
         if t.state == "COMPLETE":
             want = expected_metric_keys(spec, t.params)
             assert got == want, (
@@ -150,4 +154,7 @@ def fault_spec(n_trials: int, max_retries: int = 2, steps: int = 160) -> dict[st
         "max_retries": max_retries,
         "objectives": [{"metric": "final_val_loss", "direction": "minimize"}],
         "resources": {"cpus": 1, "gpus": 0},
+        # a Ray task per trial: these tests are about that path's retries and restarts (slot
+        # workers' faults: tests/service/test_slots.py, test_fused_study.py, test_node_loss.py)
+        "fuse": 1,
     }

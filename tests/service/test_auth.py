@@ -18,6 +18,9 @@ from service.config import Settings
 
 TOKENS = ("tok-a", "tok-b")
 PUBLIC = {"/healthz"}
+# Static files served without a token: the web UI's pages and scripts carry no data and no
+# secrets; every data route they call is in the route table below and needs the token.
+PUBLIC_MOUNTS = {"/ui"}
 DOCS = {("GET", "/openapi.json"), ("GET", "/docs")}  # not in the schema, behind the token too
 SPEC = {"name": "auth-study", "budget": {"n_trials": 2}}
 
@@ -152,3 +155,27 @@ def test_no_tokens_configured_means_open(db_url: str, tmp_path: Path) -> None:
     with TestClient(create_app(settings, reconcile_loop=False)) as c:
         assert c.get("/v1/studies").status_code == 200
         assert c.get("/v1/studies", headers={"Authorization": "Bearer anything"}).status_code == 200
+
+
+def test_the_web_ui_assets_are_the_only_public_files(
+    secured: tuple[FastAPI, TestClient, str],
+) -> None:
+    """The one mount of the app is the web UI's static directory: its files load without a
+    token (and carry no data), while the routes the pages read answer 401 without one."""
+    from starlette.routing import Mount
+
+    app, c, _ = secured
+    mounts = {r.path for r in app.routes if isinstance(r, Mount)}
+    assert mounts == PUBLIC_MOUNTS
+    for path in ("/ui/", "/ui/index.html", "/ui/js/app.js", "/ui/vendor/echarts.LICENSE"):
+        r = c.get(path)
+        assert r.status_code == 200, path
+        assert "tok-a" not in r.text and "study" not in r.headers.get("content-type", "")
+    r = c.get("/ui", follow_redirects=False)
+    assert r.status_code in (307, 308) and r.headers["location"].endswith("/ui/")
+    for path in ("/ui/../v1/studies", "/ui/%2e%2e/v1/studies", "/ui/nope.js"):
+        r = c.get(path)
+        assert r.status_code in (401, 404), (path, r.status_code)
+        assert "items" not in r.text
+    for path in ("/v1/ui/config", "/v1/trials/1/series", "/v1/studies"):
+        assert c.get(path).status_code == 401, path

@@ -730,7 +730,9 @@ def test_the_valid_base_definition_is_accepted() -> None:
     StudySpec.model_validate(FULL)
     # The fuse cases fail for the base config, not for fuse itself: a fusable base passes.
     assert StudySpec.model_validate(with_("fuse", 4)).fuse == 4
-    assert StudySpec.model_validate(with_("base/model", {"dropout": 0.1})).fuse == 1
+    # ... and the default (fuse: auto) accepts an unfusable base, without fusing it
+    unfusable = StudySpec.model_validate(with_("base/model", {"dropout": 0.1}))
+    assert unfusable.fuse == "auto" and unfusable.slots == 1
 
 
 # --- generated junk ---------------------------------------------------------------------------

@@ -84,13 +84,14 @@ def test_study_runs_end_to_end(app_client: TestClient, db_url: str, ray_head: Lo
                             "attn_entropy_norm",
                             "qk_eig_mean",
                             "qk_eig_var",
+                            "qk_eig_mean_rank",
                         ):
                             assert (name, layer, head, step) in got
                 for layer in range(0, n_layers + 1):
                     assert ("rank_ratio", layer, -1, step) in got
                 assert ("val_loss", -1, -1, step) in got
             per_eval = (
-                4 * n_layers * n_heads + (n_layers + 1) + 5
+                5 * n_layers * n_heads + (n_layers + 1) + 5
             )  # + train/val loss, grad, lr, penalty
             assert len(rows) == per_eval * len(eval_steps)
 

@@ -28,7 +28,6 @@ from service.spec import StudySpec, apply_params
 from service.studies import create_study
 from tests.conftest import free_port
 from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
-from workers.fused import run_trial_group
 from workers.trial import run_trial
 
 pytestmark = pytest.mark.cluster
@@ -145,12 +144,15 @@ def test_killed_worker_node_trial_is_retried_and_resumes(
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_killed_worker_node_fused_group_is_retried_as_a_group(
+def test_killed_worker_node_slot_members_resume_elsewhere(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:
-    """`fuse: 2`: the lost node's group is retried whole on another node; each member resumes
-    from its own checkpoint and ends exactly as the same group run without the loss."""
+    """`fuse: 2`: the members of the slot worker on the lost node resume in another worker on
+    another node, each from its own checkpoint, and end as the same trial run alone (the
+    fused contract, 1e-4 in float32; QK init scales below the chaotic region, where members
+    that now train beside other partners would part by rounding alone)."""
     spec = {**fault_spec(n_trials=4, max_retries=2, steps=INTERRUPT_STEPS), "fuse": 2}
+    spec["search_space"] = {"model.qk_init_std": {"type": "float", "low": 0.02, "high": 0.15}}
     run = StudyThread(db_url, tmp_path, spec)
     victim = run.wait_running(n=1, min_step=40)[0]
     node = victim.node
@@ -159,17 +161,14 @@ def test_killed_worker_node_fused_group_is_retried_as_a_group(
 
     trials = check_finished_study(db_url, run.study_id)
     assert all(t.state == "COMPLETE" for t in trials)
-    # The victim's group mate(s): the members that ran on the lost node with it.
-    hit = [t for t in trials if t.attempts >= 2]
+    hit = [t for t in trials if t.attempts >= 2]  # the members that were on the lost node
     assert victim.number in {t.number for t in hit}
-    assert len(hit) == 2, [(t.number, t.attempts, t.node) for t in trials]  # both members
     assert all(t.node != node for t in hit), "the retry ran on another node"
     torch.set_num_threads(1)
     base = StudySpec.model_validate(spec).base
-    configs = [apply_params(base, t.params) for t in sorted(hit, key=lambda t: t.number)]
-    together = run_trial_group(configs)
-    for t, s in zip(sorted(hit, key=lambda t: t.number), together, strict=True):
-        assert t.final_val_loss == pytest.approx(s.final_val_loss, rel=1e-5)
+    for t in hit:
+        alone = run_trial(apply_params(base, t.params))
+        assert t.final_val_loss == pytest.approx(alone.final_val_loss, rel=1e-4)
 
 
 def test_trial_out_of_retries_fails_with_reason_and_study_goes_on(

@@ -38,6 +38,24 @@ def test_search_space_bounds_checked_against_trial_config_limits() -> None:
     assert any("search_space.model.qk_init_std" in m and "10" in m for m in msgs), msgs
 
 
+def test_mlp_init_std_is_in_the_schema_searchable_bounded_and_fusable() -> None:
+    """`model.mlp_init_std` (Dong et al.'s MLP scale): a per-member init scale."""
+    assert "mlp_init_std" in StudySpec.model_json_schema()["$defs"]["ModelConfig"]["properties"]
+    grid = {"type": "float", "low": 0.02, "high": 0.5, "grid": [0.02, 0.125, 0.5]}
+    spec = StudySpec.model_validate(
+        {
+            **BASE,
+            "fuse": 3,
+            "sampler": {"kind": "grid"},
+            "search_space": {"model.mlp_init_std": grid},
+        }
+    )
+    assert apply_params(spec.base, {"model.mlp_init_std": 0.5}).model.mlp_init_std == 0.5
+    space = {"model.mlp_init_std": {"type": "float", "low": 0.02, "high": 2.0}}
+    msgs = errors_of({**BASE, "search_space": space})
+    assert any("search_space.model.mlp_init_std" in m for m in msgs), msgs
+
+
 def test_low_must_be_below_high_and_log_positive() -> None:
     space = {"optim.lr": {"type": "float", "low": 0.1, "high": 0.01}}
     assert any("low" in m for m in errors_of({**BASE, "search_space": space}))
@@ -107,3 +125,22 @@ def test_parse_spec_yaml_and_json_agree_and_reject_aliases() -> None:
         parse_spec(bomb, "application/yaml")
     with pytest.raises(SpecError):
         parse_spec(b"[1, 2]", "application/json")
+
+
+def test_fuse_auto_resolves_per_study_and_never_refuses() -> None:
+    """`fuse: auto`: slots from the base config (workers.fusion_plan.auto_fuse); a base the
+    fused model refuses gets 1 slot (no fusion) where an explicit fuse > 1 is a 422."""
+    rnd = {**BASE, "sampler": {"kind": "random", "seed": 0}}
+    small = StudySpec.model_validate({**rnd, "base": {"batch_size": 8}})
+    assert small.fuse == "auto" and small.slots == 4  # the default; 0.35 GFLOP a step
+    # a sampler that learns from finished trials is never fused by auto
+    assert StudySpec.model_validate({**BASE, "base": {"batch_size": 8}}).slots == 1  # tpe
+    big_model = {"n_layers": 4, "n_heads": 4, "d_model": 128, "d_ff": 512}
+    big = {**rnd, "fuse": "auto", "base": {"model": big_model, "batch_size": 64}}
+    assert StudySpec.model_validate(big).slots == 1
+    on_gpu = {**big, "resources": {"cpus": 1, "gpus": 0.25}}
+    assert StudySpec.model_validate(on_gpu).slots == 8
+    dropout = {**rnd, "base": {"model": {"dropout": 0.1}}}
+    assert StudySpec.model_validate({**dropout, "fuse": "auto"}).slots == 1
+    assert any("fuse" in m for m in errors_of({**dropout, "fuse": 4}))
+    assert StudySpec.model_validate({**BASE, "fuse": 3}).slots == 3

@@ -42,7 +42,7 @@ def test_trial_task_on_a_gpu_node_without_cuda_fails_loudly() -> None:
         starts: list[tuple[object, ...]] = []
         deadline = time.monotonic() + 30
         while not starts and time.monotonic() < deadline:
-            reports, starts = ray.get(inbox.drain.remote())
+            reports, starts, _finished = ray.get(inbox.drain.remote())
             assert reports == []
             time.sleep(0.2)
         assert [s[0] for s in starts] == [0]

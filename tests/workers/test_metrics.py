@@ -23,6 +23,7 @@ from workers.metrics import (
     is_trapped,
     normalized_attention_entropy,
     plateau_stats,
+    qk_eig_mean_rank,
     qk_eigen_stats,
     qk_eigen_stats_factored,
     qk_matrix,
@@ -463,6 +464,37 @@ def test_qk_eigen_stats_factored_extra_leading_dims() -> None:
             assert var[layer, head].item() == pytest.approx(ref_var, rel=1e-10, abs=1e-12)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("h", "d_h", "d"), FACTORED_SHAPES)
+def test_qk_eig_mean_rank_vs_numpy(dtype: torch.dtype, h: int, d_h: int, d: int) -> None:
+    """tr(W) / d_h of W = w_q^T w_k / sqrt(d_h), from numpy's eigenvalues in float64.
+
+    The same W as `qk_eig_mean` (whose divisor is D): the two differ by exactly D / d_h.
+    """
+    g = _gen(30 + h + d_h + d)
+    w_q = torch.randn(3, h, d_h, d, generator=g, dtype=dtype)  # (L, H, d_h, D)
+    w_k = torch.randn(3, h, d_h, d, generator=g, dtype=dtype)
+    got = qk_eig_mean_rank(w_q, w_k)
+    assert got.shape == (3, h) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    q64, k64 = w_q.double().numpy(), w_k.double().numpy()
+    for layer in range(3):
+        for i in range(h):
+            w = q64[layer, i].T @ k64[layer, i] / np.sqrt(d_h)
+            ref = float(np.linalg.eigvals(w).real.sum()) / d_h  # sum of eigenvalues = tr(W)
+            assert got[layer, i].item() == pytest.approx(ref, rel=tol, abs=tol)
+    mean, _ = qk_eigen_stats_factored(w_q, w_k)
+    torch.testing.assert_close(got * d_h / d, mean, rtol=tol, atol=tol)
+
+
+def test_qk_eig_mean_rank_hand_values() -> None:
+    # d_h = 2, D = 4: w_q = w_k = [[1, 0, 0, 0], [0, 2, 0, 0]] -> W = diag(1, 4, 0, 0) / sqrt(2)
+    w = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 2.0, 0.0, 0.0]], dtype=torch.float64)
+    assert qk_eig_mean_rank(w, w).item() == pytest.approx(5 / math.sqrt(2) / 2, rel=1e-12)
+    mean, _ = qk_eigen_stats_factored(w, w)
+    assert mean.item() == pytest.approx(5 / math.sqrt(2) / 4, rel=1e-12)
+
+
 def test_qk_sym_moments_second_moment() -> None:
     g = _gen(11)
     w_q = torch.randn(5, 7, generator=g, dtype=torch.float64)
@@ -716,3 +748,26 @@ def test_is_trapped_gap_relative_to_max_abs_reference_and_one() -> None:
 def test_is_trapped_non_finite_final_loss() -> None:
     assert is_trapped([(0, 50)], 50, final_loss=math.inf, reference_loss=1.0, rel_gap=0.5)
     assert is_trapped([(0, 50)], 50, final_loss=math.nan, reference_loss=1.0, rel_gap=0.5)
+
+
+def test_probe_metrics_report_qk_eig_mean_rank_per_layer_and_head() -> None:
+    """The stored series: tr(W_h) / d_h of each head's slice of the model's q/k weights."""
+    from workers.model import GPT, ModelConfig
+    from workers.trial import probe_metrics
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=2, n_heads=4, d_model=16, d_ff=16, qk_init_std=0.3)
+    model = GPT(cfg, vocab_size=10, seq_len=6)
+    points = probe_metrics(model, torch.randint(0, 10, (2, 6)))
+    got = {(p.layer, p.head): p.value for p in points if p.name == "qk_eig_mean_rank"}
+    assert len(got) == 2 * 4
+    d_h = 4
+    params = dict(model.named_parameters())
+    for layer in range(1, 3):
+        # (D, D) each: the heads' (d_h, D) rows stacked
+        q = params[f"blocks.{layer - 1}.attn.q_proj.weight"].detach().double().numpy()
+        k = params[f"blocks.{layer - 1}.attn.k_proj.weight"].detach().double().numpy()
+        for h in range(4):
+            rows = slice(h * d_h, (h + 1) * d_h)
+            w = q[rows].T @ k[rows] / np.sqrt(d_h)
+            assert got[(layer, h)] == pytest.approx(np.trace(w) / d_h, rel=1e-5, abs=1e-7)

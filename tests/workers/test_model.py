@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pydantic
 import pytest
 import torch
 from torch import Tensor, nn
 
-from workers.model import GPT, ModelConfig, SigmaReparamLinear
+from workers.model import GPT, Block, ModelConfig, SigmaReparamLinear
 
 VOCAB, SEQ = 24, 12
 
@@ -233,3 +234,93 @@ def test_config_rejects_unknown_fields_and_bad_values() -> None:
     with pytest.raises(pydantic.ValidationError):
         ModelConfig.model_validate({"norm": "sandwich"})
     assert ModelConfig(d_model=64, n_heads=8).d_head == 8
+
+
+# --------------------------------------------------------------------------- mlp_init_std
+
+
+def _gpt_init_before_mlp_init_std(model: GPT) -> None:
+    """`GPT._init_weights` as it was before `mlp_init_std` existed (the reference)."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding | SigmaReparamLinear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    for block in model.blocks:
+        assert isinstance(block, Block)
+        for proj in (block.attn.q_proj, block.attn.k_proj):
+            assert isinstance(proj, nn.Linear | SigmaReparamLinear)
+            nn.init.normal_(proj.weight, mean=0.0, std=model.cfg.qk_init_std)
+            if isinstance(proj, SigmaReparamLinear):
+                proj.reset_gamma()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"qk_init_std": 0.3, "norm": "post"}, {"qk_norm": "sigma_reparam"}, {"block": "pure"}],
+    ids=["default", "qk-init-post", "sigma-reparam", "no-mlp"],
+)
+def test_default_mlp_init_std_gives_the_model_of_before_bit_for_bit(
+    kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    new = _model(seed=5, **kw)
+    assert new.cfg.mlp_init_std == 0.02
+    monkeypatch.setattr(GPT, "_init_weights", _gpt_init_before_mlp_init_std)
+    old = _model(seed=5, **kw)
+    new_state, old_state = new.state_dict(), old.state_dict()
+    assert new_state.keys() == old_state.keys()
+    for name, t in old_state.items():
+        assert torch.equal(new_state[name], t), name
+
+
+def test_mlp_init_std_scales_only_the_mlp_weights() -> None:
+    small, big = _model(seed=2), _model(seed=2, mlp_init_std=0.3)
+    small_state, big_state = small.state_dict(), big.state_dict()
+    for name, t in small_state.items():
+        if ".mlp." in name:
+            # the same normal draws, scaled: std 0.3 instead of 0.02
+            torch.testing.assert_close(big_state[name], t * 15.0, rtol=1e-5, atol=1e-7)
+            assert big_state[name].std().item() == pytest.approx(0.3, rel=0.1)
+        else:
+            assert torch.equal(big_state[name], t), name
+
+
+def _mlp_jacobian_norm_and_gain(std: float) -> tuple[float, float]:
+    """Spectral norm of the MLP's Jacobian and ||MLP(x)|| / ||x|| on LayerNorm-scale tokens."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=1, n_heads=2, d_model=64, d_ff=256, norm="post", mlp_init_std=std)
+    block = GPT(cfg, vocab_size=16, seq_len=8).blocks[0]
+    assert isinstance(block, Block) and block.mlp is not None
+    mlp = block.mlp
+
+    def one_token(v: Tensor) -> Tensor:
+        y: Tensor = mlp(v[None])[0]
+        return y
+
+    x = torch.nn.functional.layer_norm(
+        torch.randn(16, 64, generator=torch.Generator().manual_seed(1)), (64,)
+    )
+    norms = [
+        torch.linalg.matrix_norm(
+            torch.autograd.functional.jacobian(one_token, x[i]),  # type: ignore[no-untyped-call]
+            ord=2,
+        ).item()
+        for i in range(4)
+    ]
+    with torch.no_grad():
+        gain = (mlp(x).norm() / x.norm()).item()
+    return max(norms), gain
+
+
+def test_mlp_init_std_moves_the_mlp_away_from_identity_through_layernorm() -> None:
+    """At 0.02 the MLP's output is ~3 % of its input (LayerNorm(h + MLP(h)) ~ LayerNorm(h))
+    and its Lipschitz constant is ~0.06; at 1/sqrt(d_model) both are O(1) or more."""
+    lip_small, gain_small = _mlp_jacobian_norm_and_gain(0.02)
+    lip_big, gain_big = _mlp_jacobian_norm_and_gain(0.125)
+    assert lip_small < 0.2 and gain_small < 0.05
+    assert lip_big > 1.0 and gain_big > 0.5
+    assert lip_big / lip_small > 20  # grows as the square of the scale (39x at 6.25x)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.5, float("nan")])
+def test_mlp_init_std_is_bounded(bad: float) -> None:
+    with pytest.raises(pydantic.ValidationError, match="mlp_init_std"):
+        ModelConfig(mlp_init_std=bad)

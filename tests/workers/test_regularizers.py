@@ -309,3 +309,105 @@ def test_penalties_on_cuda_match_cpu() -> None:
         gpu = model_penalty(cuda_layers, kind, 0.1)
         assert gpu.device.type == "cuda"
         torch.testing.assert_close(gpu.cpu(), model_penalty(layers, kind, 0.1))
+
+
+# --------------------------------------------------------------------------- multi-head minimum
+
+
+@pytest.mark.parametrize(
+    ("d_h", "d", "target"), [(8, 16, 1.0), (4, 16, -0.7), (2, 6, 1.5)], ids=str
+)
+def test_locater_v2_multi_head_minimum_holds_the_rank_mean_at_target(
+    d_h: int, d: int, target: float
+) -> None:
+    """With d_h < D the v2 minimum is NOT mean = t, var = 0 (docs/metrics.md section 4).
+
+    W = w_q^T w_k / sqrt(d_h) has rank <= d_h, so W_sym has at most d_h eigenvalues of
+    either sign; the mean over D of (lambda_i - t)^2 is smallest with d_h eigenvalues at t
+    and the rest at 0: D-mean t d_h / D, var t^2 (d_h / D)(1 - d_h / D), and the mean over
+    the head's rank tr(W) / d_h equal to t. Optimised directly on W_Q, W_K; every number is
+    recomputed from the final weights with numpy's eigvalsh in float64.
+    """
+    w_q, w_k = (t.mul_(0.3).requires_grad_(True) for t in _pair((d_h, d), torch.float64, 7))
+    opt = torch.optim.Adam([w_q, w_k], lr=0.01)
+    for _ in range(4000):
+        opt.zero_grad()
+        locater_penalty(w_q, w_k, target).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    q, k = w_q.detach().numpy(), w_k.detach().numpy()
+    w = q.T @ k / np.sqrt(d_h)
+    ev = np.linalg.eigvalsh((w + w.T) / 2)
+    frac = d_h / d
+    assert ev.mean() == pytest.approx(target * frac, abs=2e-3)
+    assert ev.var() == pytest.approx(target**2 * frac * (1 - frac), abs=2e-3)
+    assert np.trace(w) / d_h == pytest.approx(target, abs=4e-3)  # what target_mean holds
+    # d_h eigenvalues at t, the other D - d_h at 0
+    expected = np.sort(np.r_[np.full(d_h, target), np.zeros(d - d_h)])
+    np.testing.assert_allclose(ev, expected, atol=1e-2)
+
+
+# --------------------------------------------------------------------------- precision
+
+
+def _near_identity(d: int, eps: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One full-width head (d_h = D) with W = w_q^T w_k / sqrt(D) close to the identity."""
+    g = _gen(seed)
+    eye = torch.eye(d, dtype=torch.float64)
+    a, b = (torch.randn(d, d, generator=g, dtype=torch.float64) for _ in range(2))
+    scale = d**0.25
+    return (scale * (eye + eps * a)).float(), (scale * (eye + eps * b)).float()
+
+
+def test_penalties_under_bf16_autocast_match_float64_numpy() -> None:
+    """bf16 autocast (CPU) must not reach the penalty: var = sym_sq - mean^2 cancels there.
+
+    W close to the identity at D = 128: the true eigen-variance is ~5e-5, while the same
+    moments with their Gram products in bf16 are off by more than the variance itself
+    (docs/metrics.md section 4, "Precision"). The penalties, called inside the autocast
+    context, match numpy's float64 eigenvalues of the same float32 weights.
+    """
+    from workers.metrics import qk_sym_moments
+
+    w_q, w_k = _near_identity(128, 6e-4, seed=11)
+    mean_ref, var_ref = _numpy_eigen_moments(w_q.double().numpy(), w_k.double().numpy())
+    assert 2e-5 < var_ref < 1e-4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m_bf, sq_bf = qk_sym_moments(w_q, w_k)  # what the training step used to compute
+        sv = spectral_variance_penalty(w_q, w_k)
+        loc = locater_penalty(w_q, w_k, 0.5)
+        mp = model_penalty([(w_q[None], w_k[None])], "spectral_variance")
+    naive = float(sq_bf.float() - m_bf.float().square())
+    assert abs(naive - var_ref) > var_ref  # the bf16 failure this guards against
+    for p in (sv, loc, mp):
+        assert p.dtype == torch.float32
+    assert float(sv) == pytest.approx(var_ref, rel=2e-2)
+    assert float(mp) == pytest.approx(var_ref, rel=2e-2)
+    assert float(loc) == pytest.approx(var_ref + (mean_ref - 0.5) ** 2, rel=1e-4)
+
+
+def test_fused_penalties_under_bf16_autocast_match_float64_numpy() -> None:
+    """`FusedGPT.penalties` (the fused training path) is float32 outside autocast too."""
+    from workers.config import ModelConfig
+    from workers.fused_model import FusedGPT
+    from workers.model import GPT
+
+    d = 128
+    cfg = ModelConfig(n_layers=1, n_heads=1, d_model=d, d_ff=8)
+    models, refs = [], []
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        model = GPT(cfg, vocab_size=8, seq_len=4)
+        w_q, w_k = _near_identity(d, 6e-4, seed=seed)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            params["blocks.0.attn.q_proj.weight"].copy_(w_q)
+            params["blocks.0.attn.k_proj.weight"].copy_(w_k)
+        models.append(model)
+        refs.append(_numpy_eigen_moments(w_q.double().numpy(), w_k.double().numpy()))
+    fused = FusedGPT.from_models(models, torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pens = fused.penalties(["spectral_variance", "locater"], [0.0, 0.5]).detach()
+    assert pens.dtype == torch.float32
+    (_, var0), (mean1, var1) = refs
+    assert float(pens[0]) == pytest.approx(var0, rel=2e-2)
+    assert float(pens[1]) == pytest.approx(var1 + (mean1 - 0.5) ** 2, rel=1e-4)

@@ -282,7 +282,13 @@ def test_reporter_receives_every_metric(n_layers: int, n_heads: int) -> None:
     }
     for layer in range(1, n_layers + 1):
         for head in range(n_heads):
-            for name in ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var"):
+            for name in (
+                "attn_entropy",
+                "attn_entropy_norm",
+                "qk_eig_mean",
+                "qk_eig_var",
+                "qk_eig_mean_rank",
+            ):
                 expected.add((name, layer, head))
     for layer in range(n_layers + 1):
         expected.add(("rank_ratio", layer, None))

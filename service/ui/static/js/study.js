@@ -1,0 +1,295 @@
+// Page 2: one study. Its summary; the trial table (sort, the `where=` filters, server-side
+// pages); the optimisation history; the phase map of two chosen parameters coloured by a
+// chosen field (click a point: its trial); the Pareto front (several objectives); parameter
+// importance. Live while the study runs: the summary is polled and the rest redrawn when
+// a trial changes state.
+
+import {ApiError, get} from './api.js';
+import {CLASS_COLOR, PALETTE, chartBox, draw, loadECharts} from './charts.js';
+import {badge, duration, every, fill, fmt, h, pct} from './dom.js';
+
+const POLL_MS = 2500;
+const PAGE = 50;
+const OPEN = new Set(['PENDING', 'RUNNING']);
+const STATES = ['QUEUED', 'RUNNING', 'COMPLETE', 'PRUNED', 'DIVERGED', 'FAILED', 'CANCELLED'];
+const COLUMNS = [  // [sort key, header, value of a trial]
+  ['number', '#', (t) => t.number],
+  [null, 'state', (t) => badge(t.state)],
+  ['value', 'value', (t) => fmt(t.value)],
+  ['final_val_loss', 'val loss', (t) => fmt(t.final_val_loss)],
+  ['min_norm_entropy', 'min norm. entropy', (t) => fmt(t.min_norm_entropy)],
+  ['final_rank_ratio', 'rank ratio', (t) => fmt(t.final_rank_ratio)],
+  ['qk_eig_var', 'QK eig var', (t) => fmt(t.qk_eig_var)],
+  ['plateau_steps', 'plateau steps', (t) => fmt(t.plateau_steps)],
+  ['entropy_collapse', 'entropy collapse', (t) => flag(t.entropy_collapse)],
+  ['rank_collapse', 'rank collapse', (t) => flag(t.rank_collapse)],
+  ['trapped', 'trapped', (t) => flag(t.trapped)],
+];
+const TAIL = [
+  ['penalty_version', 'penalty', (t) => `v${t.penalty_version}`],
+  [null, 'attempts', (t) => t.attempts],
+  [null, 'node', (t) => t.node || '-'],
+  ['duration_s', 'duration', (t) => duration(t.duration_s)],
+];
+const NUMERIC = ['value', 'final_val_loss', 'min_norm_entropy', 'final_rank_ratio', 'qk_eig_var', 'plateau_steps', 'duration_s', 'number'];
+
+function flag(v) {
+  if (v === null || v === undefined) return '-';
+  return v ? h('span', {class: 'flag-on'}, 'yes') : 'no';
+}
+
+/** The trial id of a study's trial number (plots name trials by number). */
+async function trialId(studyId, number) {
+  const page = await get(`/v1/studies/${studyId}/trials`, {where: `number=${number}`, limit: 1});
+  return page.items[0]?.id;
+}
+
+export async function studyPage(ctx, id) {
+  const {view} = ctx;
+  const study = await get(`/v1/studies/${id}`);
+  const params = Object.keys(study.spec.search_space || {});
+  const objectives = study.spec.objectives || [{metric: 'final_val_loss', direction: 'minimize'}];
+  const state = {sort: 'number', where: '', states: [], penalty: '', offset: 0, selected: new Set()};
+
+  const title = h('h1', {}, `Study ${study.id}: ${study.name} `, h('span', {id: 'study-status'}));
+  const summaryEl = h('div', {id: 'summary', class: 'cards'});
+  const tableBody = h('tbody', {id: 'trials-body'});
+  const tableHead = h('thead', {});
+  const tableInfo = h('span', {id: 'trials-info', class: 'muted'});
+  const tableError = h('p', {id: 'trials-error', class: 'error'});
+  const pager = h('div', {class: 'pager'});
+  const compare = h('button', {id: 'compare', disabled: true, onclick: () => {
+    location.hash = `#/trials/${[...state.selected].join(',')}`;
+  }}, 'compare selected (2-4)');
+  const whereInput = h('input', {id: 'where', type: 'text', size: 48, placeholder: 'min_norm_entropy>=0.1; params.regularizer.lambda<0.01; trapped=1'});
+  const penaltySelect = h('select', {id: 'penalty'}, h('option', {value: ''}, 'any'), h('option', {value: '1'}, 'v1'), h('option', {value: '2'}, 'v2'));
+  const stateBoxes = STATES.map((s) => h('label', {class: 'chk'}, h('input', {type: 'checkbox', value: s, name: 'state'}), s.toLowerCase()));
+  const filters = h('form', {id: 'filters', class: 'filters', onsubmit: (e) => {
+    e.preventDefault();
+    state.where = whereInput.value;
+    state.states = stateBoxes.map((l) => l.firstChild).filter((c) => c.checked).map((c) => c.value);
+    state.penalty = penaltySelect.value;
+    state.offset = 0;
+    loadTable().catch(ctx.onError);
+  }},
+  h('label', {}, 'where ', whereInput), ' ',
+  h('span', {class: 'states'}, stateBoxes), ' ',
+  h('label', {}, 'penalty ', penaltySelect), ' ',
+  h('button', {type: 'submit'}, 'apply'));
+
+  const history = chartBox(`history-${id}`, 'Optimisation history', {height: 300});
+  const axisSel = (sel, value) => h('select', {id: sel}, fieldOptions(params, value));
+  const xSel = axisSel('phase-x', params[0] ? `params.${params[0]}` : 'number');
+  const ySel = axisSel('phase-y', params[1] ? `params.${params[1]}` : objectives[0].metric);
+  const cSel = h('select', {id: 'phase-color'},
+    ['collapse_class', 'state', ...NUMERIC, 'min_norm_entropy_ever', 'best_val_loss', ...params.map((p) => `params.${p}`)]
+      .map((f) => h('option', {value: f}, f)));
+  const phase = chartBox(`phase-${id}`, 'Phase map', {height: 340,
+    note: h('div', {class: 'controls'}, h('label', {}, 'x ', xSel), ' ', h('label', {}, 'y ', ySel), ' ', h('label', {}, 'colour ', cSel))});
+  for (const s of [xSel, ySel, cSel]) s.addEventListener('change', () => loadPhase().catch(ctx.onError));
+  const pareto = objectives.length > 1 ? chartBox(`pareto-${id}`, 'Pareto front', {height: 300}) : null;
+  const importance = chartBox(`importance-${id}`, 'Parameter importance', {height: 220});
+
+  view.append(
+    title,
+    study.spec.description ? h('p', {class: 'muted'}, study.spec.description) : null,
+    summaryEl,
+    h('section', {class: 'panel'},
+      h('h3', {}, 'Trials ', tableInfo, ' ', compare),
+      filters, tableError,
+      h('div', {class: 'scroll'}, h('table', {class: 'grid', id: 'trials'}, tableHead, tableBody)),
+      pager),
+    h('div', {class: 'charts'}, history.box, phase.box, pareto?.box, importance.box),
+  );
+
+  function header() {
+    const cols = [...COLUMNS, ...params.map((p) => [`params.${p}`, p, (t) => fmt(t.params[p])]), ...TAIL];
+    const arrow = (key) => (state.sort === key ? ' \u25b2' : state.sort === `-${key}` ? ' \u25bc' : '');
+    fill(tableHead, h('tr', {}, h('th', {}, ''), cols.map(([key, label]) => h('th', {
+      class: key ? 'sortable' : null, dataset: key ? {sort: key} : {},
+      onclick: key ? () => {
+        state.sort = state.sort === key ? `-${key}` : key;
+        state.offset = 0;
+        loadTable().catch(ctx.onError);
+      } : null,
+    }, label, arrow(key)))));
+    return cols;
+  }
+
+  async function loadTable() {
+    const where = state.where.split(/[;\n]/).map((s) => s.trim()).filter(Boolean);
+    let page;
+    try {
+      page = await get(`/v1/studies/${id}/trials`, {
+        sort: state.sort, where, state: state.states, penalty_version: state.penalty || null,
+        limit: PAGE, offset: state.offset,
+      });
+    } catch (e) {
+      if (e instanceof ApiError) { fill(tableError, e.message); return; }
+      throw e;
+    }
+    fill(tableError);
+    const cols = header();
+    fill(tableBody, page.items.map((t) => h('tr', {dataset: {trial: t.id, number: t.number}},
+      h('td', {}, h('input', {type: 'checkbox', class: 'pick', checked: state.selected.has(t.id), onchange: (e) => {
+        if (e.target.checked) state.selected.add(t.id); else state.selected.delete(t.id);
+        compare.disabled = state.selected.size < 2 || state.selected.size > 4;
+      }})),
+      cols.map(([key, , get], i) => h('td', {class: i === 0 ? '' : 'num'}, i === 0 ? h('a', {href: `#/trials/${t.id}`}, t.number) : get(t))))));
+    if (!page.items.length) fill(tableBody, h('tr', {}, h('td', {colspan: cols.length + 1, class: 'muted'}, 'no trials match')));
+    const last = Math.min(page.total, state.offset + page.items.length);
+    fill(tableInfo, page.total ? `${state.offset + 1}-${last} of ${page.total}` : '0 of 0');
+    fill(pager,
+      h('button', {disabled: state.offset === 0, onclick: () => { state.offset = Math.max(0, state.offset - PAGE); loadTable().catch(ctx.onError); }}, 'previous'),
+      ' ',
+      h('button', {disabled: last >= page.total, onclick: () => { state.offset += PAGE; loadTable().catch(ctx.onError); }}, 'next'));
+  }
+
+  function renderSummary(s) {
+    fill(document.getElementById('study-status') || title, badge(s.status));
+    const byState = Object.entries(s.trials_by_state).filter(([, n]) => n > 0).map(([k, n]) => `${n} ${k.toLowerCase()}`).join(', ');
+    const card = (label, value, id = null) => h('div', {class: 'card', id}, h('div', {class: 'label'}, label), h('div', {class: 'value'}, value));
+    fill(summaryEl,
+      card('progress', [h('progress', {max: 1, value: s.progress}), ` ${s.finished}/${s.n_trials}`], 'card-progress'),
+      card('trials', byState || 'none yet', 'card-states'),
+      card(`best ${objectives[0].metric} (${objectives[0].direction})`, s.best_trial_id ? h('a', {href: `#/trials/${s.best_trial_id}`}, fmt(s.best_value)) : '-'),
+      card('entropy collapse', pct(s.entropy_collapse_rate)),
+      card('rank collapse', pct(s.rank_collapse_rate)),
+      card('trapped', pct(s.trapped_rate)),
+      card('ETA', s.eta_s === null ? '-' : duration(s.eta_s)),
+      card('Ray job', study.ray_job_id && ctx.config.ray_dashboard_url
+        ? h('a', {href: `${ctx.config.ray_dashboard_url}/#/jobs/${encodeURIComponent(study.ray_job_id)}`, target: '_blank', rel: 'noopener noreferrer', class: 'mono small'}, study.ray_job_id)
+        : h('span', {class: 'mono small'}, study.ray_job_id || '-')),
+    );
+  }
+
+  const openTrial = async (number) => {
+    const tid = await trialId(id, number);
+    if (tid) location.hash = `#/trials/${tid}`;
+  };
+
+  async function loadHistory() {
+    const d = await get(`/v1/studies/${id}/plots/history`, {format: 'json'});
+    const groups = {};
+    for (const p of d.points) (groups[p.state] ??= []).push([p.trial, p.value]);
+    await draw(history.el, {
+      grid: {left: 60, right: 20, top: 40, bottom: 40},
+      tooltip: {trigger: 'item', formatter: (p) => `trial ${p.value[0]}: ${fmt(p.value[1])}`},
+      legend: {top: 0},
+      xAxis: {type: 'value', name: 'trial', nameLocation: 'middle', nameGap: 24},
+      yAxis: {type: 'value', name: d.y_label, scale: true},
+      series: [
+        ...Object.entries(groups).map(([st, pts], i) => ({name: st.toLowerCase(), type: 'scatter', symbolSize: 6, large: pts.length > 2000, data: pts, color: PALETTE[i % PALETTE.length]})),
+        {name: 'best so far', type: 'line', step: 'end', showSymbol: false, data: d.best.map((b) => [b.trial, b.value]), color: '#d62728'},
+      ],
+    }, {onClick: (p) => p.seriesType === 'scatter' && openTrial(p.value[0])});
+  }
+
+  async function loadPhase() {
+    let d;
+    try {
+      d = await get(`/v1/studies/${id}/plots/scatter`, {format: 'json', x: xSel.value, y: ySel.value, color: cSel.value});
+    } catch (e) {
+      if (e instanceof ApiError) { await draw(phase.el, {title: {text: e.message, left: 'center', top: 'middle', textStyle: {fontSize: 12, color: '#c00'}}}); return; }
+      throw e;
+    }
+    const numericColor = d.points.some((p) => typeof p.color === 'number');
+    const axis = (log, name) => ({type: log ? 'log' : (d.points.some((p) => typeof p[name] === 'string') ? 'category' : 'value'), name: d[`${name}_label`], nameLocation: 'middle', nameGap: 26, scale: true});
+    const point = (p) => [p.x, p.y, p.color, p.trial];
+    let series;
+    let visualMap;
+    if (numericColor) {
+      const vals = d.points.map((p) => p.color).filter((v) => typeof v === 'number');
+      series = [{type: 'scatter', symbolSize: 9, data: d.points.map(point), large: d.points.length > 2000}];
+      visualMap = {type: 'continuous', dimension: 2, min: Math.min(...vals), max: Math.max(...vals), calculable: true, right: 0, top: 'middle', text: [d.color, ''], inRange: {color: ['#440154', '#3b528b', '#21918c', '#5ec962', '#fde725']}};
+    } else {
+      const groups = {};
+      for (const p of d.points) (groups[String(p.color)] ??= []).push(point(p));
+      series = Object.entries(groups).map(([k, pts], i) => ({name: k, type: 'scatter', symbolSize: 9, data: pts, large: pts.length > 2000, color: CLASS_COLOR[k] || PALETTE[i % PALETTE.length]}));
+    }
+    await draw(phase.el, {
+      grid: {left: 70, right: numericColor ? 90 : 20, top: 40, bottom: 44},
+      legend: numericColor ? undefined : {top: 0},
+      tooltip: {trigger: 'item', formatter: (p) => `trial ${p.value[3]}<br>${d.x}: ${fmt(p.value[0])}<br>${d.y}: ${fmt(p.value[1])}<br>${d.color}: ${fmt(p.value[2])}`},
+      xAxis: axis(d.x_log, 'x'), yAxis: axis(d.y_log, 'y'), visualMap, series,
+    }, {onClick: (p) => openTrial(p.value[3])});
+  }
+
+  async function loadPareto() {
+    if (!pareto) return;
+    const d = await get(`/v1/studies/${id}/plots/pareto`, {format: 'json'});
+    const xi = d.x_objective, yi = d.y_objective;
+    const pt = (p) => [p.values[xi], p.values[yi], p.trial];
+    const front = d.points.filter((p) => p.on_front).sort((a, b) => a.values[xi] - b.values[xi]);
+    await draw(pareto.el, {
+      grid: {left: 70, right: 20, top: 40, bottom: 44},
+      legend: {top: 0},
+      tooltip: {trigger: 'item', formatter: (p) => `trial ${p.value[2]}: ${fmt(p.value[0])}, ${fmt(p.value[1])}`},
+      xAxis: {type: 'value', name: d.x_label, nameLocation: 'middle', nameGap: 26, scale: true},
+      yAxis: {type: 'value', name: d.y_label, scale: true},
+      series: [
+        {name: 'dominated', type: 'scatter', data: d.points.filter((p) => !p.on_front).map(pt), color: '#999'},
+        {name: 'Pareto front', type: 'line', step: 'end', symbolSize: 9, data: front.map(pt), color: '#d62728'},
+      ],
+    }, {onClick: (p) => openTrial(p.value[2])});
+  }
+
+  async function loadImportance() {
+    const need = ctx.config.importance_min_trials;
+    if ((last.trials_by_state.COMPLETE || 0) < need) {
+      await draw(importance.el, {title: {text: `Importance ranks the parameters once ${need} trials are COMPLETE (${last.trials_by_state.COMPLETE || 0} so far).`, left: 'center', top: 'middle', textStyle: {fontSize: 12, fontWeight: 'normal', color: '#666'}}});
+      return;
+    }
+    let d;
+    try {
+      d = await get(`/v1/studies/${id}/importance`);
+    } catch (e) {
+      if (e instanceof ApiError) { await draw(importance.el, {title: {text: e.message, left: 'center', top: 'middle', textStyle: {fontSize: 12, fontWeight: 'normal', color: '#666', width: 500, overflow: 'break'}}}); return; }
+      throw e;
+    }
+    const items = Object.entries(d.importances).reverse();
+    await draw(importance.el, {
+      grid: {left: 170, right: 30, top: 30, bottom: 30},
+      title: {text: `${d.target} (${d.evaluator}, ${d.n_trials} trials)`, textStyle: {fontSize: 12, fontWeight: 'normal'}},
+      tooltip: {trigger: 'item'},
+      xAxis: {type: 'value', max: 1},
+      yAxis: {type: 'category', data: items.map(([k]) => k)},
+      series: [{type: 'bar', data: items.map(([, v]) => v), color: '#3182bd', label: {show: true, position: 'right', formatter: (p) => p.value.toFixed(3)}}],
+    });
+  }
+
+  let last = await get(`/v1/studies/${id}/summary`);
+  renderSummary(last);
+  await loadTable();
+  ctx.ready('study');
+  await loadECharts();  // after the table: compiling it would hold the table back
+  const charts = () => Promise.all([loadHistory(), loadPhase(), loadPareto()]);
+  await charts();
+  ctx.ready('studycharts');
+  loadImportance().catch(ctx.onError);
+  let importanceAt = Date.now();
+
+  return every(POLL_MS, async () => {
+    if (!OPEN.has(last.status)) return;
+    const s = await get(`/v1/studies/${id}/summary`);
+    const changed = JSON.stringify(s.trials_by_state) !== JSON.stringify(last.trials_by_state) || s.status !== last.status;
+    const finishedMore = s.finished !== last.finished;
+    last = s;
+    renderSummary(s);
+    if (changed) {
+      await loadTable();
+      await charts();
+    } else if (s.trials_by_state.RUNNING) {
+      await loadTable();  // running trials' last_step moves
+    }
+    if (finishedMore && Date.now() - importanceAt > 20000) {
+      importanceAt = Date.now();
+      loadImportance().catch(ctx.onError);
+    }
+  });
+}
+
+function fieldOptions(params, selected) {
+  return [...params.map((p) => `params.${p}`), ...NUMERIC, 'min_norm_entropy_ever', 'best_val_loss', 'qk_eig_mean']
+    .map((f) => h('option', {value: f, selected: f === selected}, f));
+}

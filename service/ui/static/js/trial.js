@@ -1,0 +1,156 @@
+// Page 3: one trial, or 2-4 side by side (one column each). Per trial: train/val loss with
+// the plateaus (and `trapped`) marked; normalised attention entropy as a layer x head heatmap
+// over steps with the collapse threshold; rank-collapse ratio per layer; QK eigenspectrum
+// mean and variance per head; the regularizer's penalty; config, summary, state, attempts
+// and node. Every series of a trial comes from one call (/v1/trials/{id}/series).
+
+import {get} from './api.js';
+import {COLLAPSED, chartBox, draw, heatmapOption, lineOption, loadECharts} from './charts.js';
+import {badge, duration, every, fill, fmt, h, kvTable} from './dom.js';
+
+const POLL_MS = 3000;
+const OPEN = new Set(['QUEUED', 'RUNNING']);
+
+/** A threshold from the trial's params (if searched) else the study's base config. */
+function threshold(trial, study, name, fallback) {
+  if (trial.params && typeof trial.params[name] === 'number') return trial.params[name];
+  const v = study.spec?.base?.[name];
+  return typeof v === 'number' ? v : fallback;
+}
+
+function byName(series) {
+  const out = {};
+  for (const s of series) (out[s.name] ??= []).push(s);
+  return out;
+}
+
+/** Heads whose normalised entropy fell below the threshold at some evaluation. */
+export function collapsedHeads(rows, thr) {
+  const out = [];
+  for (const r of rows) {
+    let first = null;
+    let min = Infinity;
+    r.values.forEach((v, k) => {
+      if (v !== null && v < thr) { if (first === null) first = r.steps[k]; }
+      if (v !== null && v < min) min = v;
+    });
+    if (first !== null) out.push({layer: r.layer, head: r.head, first, min});
+  }
+  return out;
+}
+
+export async function trialsPage(ctx, ids) {
+  const {view} = ctx;
+  if (!ids.length) throw new Error('no trial ids in the address');
+  loadECharts();  // fetched and compiled while the data is on its way
+  const studies = new Map();
+  const cols = h('div', {class: `trial-cols n${ids.length}`});
+  view.append(h('h1', {}, ids.length === 1 ? `Trial ${ids[0]}` : `Trials ${ids.join(', ')} side by side`), cols);
+  const panes = ids.map((id) => {
+    const pane = h('div', {class: 'trial-col', id: `trial-${id}`});
+    cols.append(pane);
+    return {id, pane, parts: null};
+  });
+
+  async function load(p) {
+    // The series (the big one) and the trial in parallel; then its study (once per study).
+    const [trial, data] = await Promise.all([get(`/v1/trials/${p.id}`), get(`/v1/trials/${p.id}/series`)]);
+    if (!studies.has(trial.study_id)) studies.set(trial.study_id, get(`/v1/studies/${trial.study_id}`));
+    const study = await studies.get(trial.study_id);
+    p.parts ??= layout(p, trial, study, ids.length);
+    await render(p, trial, study, data);
+    return trial;
+  }
+
+  const trials = await Promise.all(panes.map(load));
+  ctx.ready('trial');
+  const open = () => trials.some((t) => OPEN.has(t.state));
+  return every(POLL_MS, async () => {
+    if (!open()) return;
+    for (let i = 0; i < panes.length; i++) {
+      if (OPEN.has(trials[i].state)) trials[i] = await load(panes[i]);
+    }
+  });
+}
+
+function layout(p, trial, study, n) {
+  const id = p.id;
+  const height = n > 2 ? 220 : 260;
+  const parts = {
+    head: h('div', {class: 'trial-head'}),
+    loss: chartBox(`loss-${id}`, 'Loss (plateaus shaded)', {height}),
+    heat: chartBox(`heatmap-${id}`, 'Normalised attention entropy, layer x head over steps', {height: height + 40,
+      note: h('p', {class: 'small', id: `collapsed-${id}`})}),
+    rank: chartBox(`rank-${id}`, 'Rank-collapse ratio per layer (0: embeddings)', {height}),
+    eigMean: chartBox(`eigmean-${id}`, 'QK eigenspectrum mean per head', {height}),
+    eigVar: chartBox(`eigvar-${id}`, 'QK eigenspectrum variance per head', {height}),
+    penalty: chartBox(`penalty-${id}`, 'Regularizer penalty', {height: 200}),
+    tables: h('div', {class: 'trial-tables'}),
+  };
+  p.pane.append(parts.head, parts.loss.box, parts.heat.box, parts.rank.box, parts.eigMean.box, parts.eigVar.box, parts.penalty.box, parts.tables);
+  return parts;
+}
+
+const headLabel = (s) => `L${s.layer} H${s.head}`;
+
+async function render(p, trial, study, data) {
+  const {parts} = p;
+  const series = byName(data.series);
+  const entThr = threshold(trial, study, 'entropy_collapse_threshold', 0.1);
+  const rankThr = threshold(trial, study, 'rank_collapse_threshold', 0.05);
+  const summary = trial.summary || {};
+  const plateaus = summary.plateaus || [];
+
+  fill(parts.head,
+    h('div', {class: 'trial-title'},
+      h('a', {href: `#/studies/${trial.study_id}`}, `study ${trial.study_id}: ${study.name}`), ' / trial ', h('b', {}, trial.number), ' ',
+      badge(trial.state),
+      trial.trapped ? h('span', {class: 'badge trapped'}, 'trapped') : null,
+      trial.entropy_collapse ? h('span', {class: 'badge collapse'}, 'entropy collapse') : null,
+      trial.rank_collapse ? h('span', {class: 'badge collapse'}, 'rank collapse') : null,
+      trial.penalty_version === 1 ? h('span', {class: 'badge v1'}, 'penalty v1') : null),
+    h('div', {class: 'muted small'},
+      `attempts ${trial.attempts} \u00b7 node ${trial.node || '-'} \u00b7 seed ${trial.seed} \u00b7 step ${trial.last_step} \u00b7 `,
+      `duration ${duration(trial.duration_s)} \u00b7 value ${fmt(trial.value)} \u00b7 ${data.rows} metric rows`,
+      data.truncated ? h('b', {class: 'error'}, ' (truncated)') : null),
+    trial.error ? h('pre', {class: 'error small'}, trial.error) : null,
+    trial.waiting_reason ? h('p', {class: 'muted small'}, trial.waiting_reason) : null);
+
+  // Loss with the plateaus; the last one is `trapped` when the trial is.
+  const loss = ['train_loss', 'val_loss'].flatMap((n) => (series[n] || []).map((s) => ({...s, name: n})));
+  const areas = plateaus.map(([a, b], i) => ({
+    from: a, to: b,
+    label: trial.trapped && i === plateaus.length - 1 ? 'trapped' : 'plateau',
+    color: trial.trapped && i === plateaus.length - 1 ? 'rgba(214,39,40,0.15)' : 'rgba(188,189,34,0.2)',
+  }));
+  await draw(parts.loss.el, lineOption(loss, {yName: 'nats', markAreas: areas}));
+
+  // The heatmap: one cell per stored (layer, head, step) row of attn_entropy_norm.
+  const ent = (series.attn_entropy_norm || []).slice().sort((a, b) => a.layer - b.layer || a.head - b.head);
+  const cells = ent.reduce((n, s) => n + s.steps.length, 0);
+  const chart = await draw(parts.heat.el, heatmapOption(ent, entThr));
+  parts.heat.el.dataset.cells = String(cells);
+  parts.heat.el.dataset.threshold = String(entThr);
+  const collapsed = collapsedHeads(ent, entThr);
+  fill(document.getElementById(`collapsed-${p.id}`),
+    ent.length === 0 ? h('span', {class: 'muted'}, 'no attention-entropy rows stored') :
+      collapsed.length === 0 ? `No head below the collapse threshold ${entThr}.` :
+        [h('span', {style: {color: COLLAPSED, fontWeight: 'bold'}}, `Below the collapse threshold ${entThr}: `),
+          collapsed.map((c) => `${headLabel(c)} (from step ${c.first}, min ${fmt(c.min)})`).join('; ')]);
+  chart.getDom().dataset.collapsed = collapsed.map(headLabel).join(',');
+
+  const layers = (series.rank_ratio || []).map((s) => ({...s, name: `layer ${s.layer}`}));
+  await draw(parts.rank.el, lineOption(layers, {markLines: [{y: rankThr, label: `collapse < ${rankThr}`}]}));
+  const perHead = (n) => (series[n] || []).map((s) => ({...s, name: headLabel(s)}));
+  await draw(parts.eigMean.el, lineOption(perHead('qk_eig_mean')));
+  await draw(parts.eigVar.el, lineOption(perHead('qk_eig_var')));
+  const pen = (series.reg_penalty || []).map((s) => ({...s, name: 'penalty'}));
+  await draw(parts.penalty.el, pen.length ? lineOption(pen, {legend: false}) :
+    {title: {text: 'no regularizer penalty stored (no regularizer, or lambda = 0)', left: 'center', top: 'middle', textStyle: {fontSize: 12, fontWeight: 'normal', color: '#666'}}});
+
+  const config = {...(study.spec.base || {})};
+  fill(parts.tables,
+    h('section', {class: 'panel'}, h('h3', {}, 'Parameters (searched)'), kvTable(trial.params)),
+    h('section', {class: 'panel'}, h('h3', {}, 'Summary'), kvTable(summary, {skip: ['eval_steps', 'val_losses']})),
+    h('section', {class: 'panel'}, h('h3', {}, 'Study base config'), kvTable(config)));
+}

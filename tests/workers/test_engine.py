@@ -1,0 +1,168 @@
+"""The trial engine's slots (workers/engine.py): members join and leave a fused runner mid-run
+and still equal their run-alone twins; a stopped member is stopped for good (its stop record
+is honoured by every later execution); a checkpoint directory proves whose it is; a stopped
+member costs no more compute; a lambda-0 member trains exactly as with no regularizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.workers.test_fused import MEMBERS, _assert_same_evaluations, _quickstart
+from tests.workers.test_trial import Recorder, tiny
+from workers.checkpoints import OWNER_FILE, STOPPED_FILE
+from workers.config import TrialConfig
+from workers.engine import Engine, Member, autocast_for, new_member, resolve_device
+from workers.fused import FusedRunner, run_trial_group
+from workers.trial import run_trial
+
+
+def _engine(slots: int, finished: list[Member] | None = None) -> Engine:
+    cfg = TrialConfig()
+    device = torch.device("cpu")
+    ctx = autocast_for(cfg, device)
+    done = finished if finished is not None else []
+    return Engine(FusedRunner(slots, device, ctx), device, ctx, on_finish=done.append)
+
+
+def test_a_member_that_joins_mid_run_equals_the_trial_run_alone() -> None:
+    """Member 1 joins after member 0 trained 30 steps; member 2 takes member 0's slot the
+    moment it stops. Each equals its run-alone twin (the fused contract, 1e-4 in float32)."""
+    configs = [_quickstart(**m, steps=60, eval_every=20) for m in MEMBERS[:3]]
+    alone = [Recorder() for _ in configs]
+    for c, r in zip(configs, alone, strict=True):
+        run_trial(c, r)
+    finished: list[Member] = []
+    engine = _engine(2, finished)
+    recs = [Recorder() for _ in configs]
+    mems = [
+        new_member(c, r, torch.device("cpu"), tag=i)
+        for i, (c, r) in enumerate(zip(configs, recs, strict=True))
+    ]
+    engine.admit(mems[0])
+    for _ in range(30):
+        engine.iterate()
+    engine.admit(mems[1])
+    while mems[0].summary is None:
+        engine.iterate()
+    assert mems[1].step == 30  # its own schedule: 30 steps behind member 0
+    engine.admit(mems[2])
+    engine.run()
+    assert [m.tag for m in finished] == [0, 1, 2]
+    for a, f in zip(alone, recs, strict=True):
+        _assert_same_evaluations(a, f)
+    assert engine.steps_run == 3 * 60
+
+
+def test_members_resume_in_other_slots_from_their_own_checkpoints(tmp_path: Path) -> None:
+    def cfgs() -> list[TrialConfig]:
+        return [
+            tiny(seed=s, checkpoint={"dir": str(tmp_path / f"m{s}")}, optim={"lr": 3e-3 * (s + 1)})
+            for s in range(2)
+        ]
+
+    alone = [Recorder(), Recorder()]
+    for c, r, s in zip(cfgs(), alone, range(2), strict=True):
+        run_trial(
+            c.model_copy(
+                update={
+                    "checkpoint": c.checkpoint.model_copy(update={"dir": str(tmp_path / f"a{s}")})
+                }
+            ),
+            r,
+        )
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_trial_group(cfgs(), [Recorder(), Recorder(crash_at_step=15)])
+    # resumed in the other order: member 1 in slot 0, member 0 in slot 1
+    c0, c1 = cfgs()
+    r0, r1 = Recorder(), Recorder()
+    out = run_trial_group([c1, c0], [r1, r0])
+    assert r0.steps == [20] and r1.steps == [15, 20]
+    for a, r in ((alone[0], r0), (alone[1], r1)):
+        for step in r.steps:
+            for name in ("val_loss", "train_loss"):
+                key = (name, None, None)
+                assert abs(a.at(step)[key] - r.at(step)[key]) <= 1e-4 * abs(a.at(step)[key])
+    assert [s.steps_done for s in out] == [20, 20]
+
+
+@pytest.mark.parametrize("how", ["pruned", "diverged"])
+def test_a_stopped_trial_never_trains_again(tmp_path: Path, how: str) -> None:
+    """The stop is recorded before anything else trains; a rerun (a Ray retry, a runner
+    restart) returns the recorded summary and reports nothing, alone or as a member."""
+    if how == "pruned":
+        cfg, rec = tiny(checkpoint={"dir": str(tmp_path)}), Recorder(stop_at_report=2)
+    else:  # SGD at a huge learning rate, no clipping: the loss overflows within a few steps
+        cfg = tiny(
+            checkpoint={"dir": str(tmp_path)},
+            optim={"name": "sgd", "lr": 10.0, "grad_clip": None, "schedule": "constant"},
+            steps=200,
+            eval_every=2,
+        )
+        rec = Recorder()
+    first = run_trial(cfg, rec)
+    assert first.status == how
+    record = json.loads((tmp_path / STOPPED_FILE).read_text())
+    assert record["status"] == how and record["step"] == first.steps_done < cfg.steps
+    for rerun in (lambda r: run_trial(cfg, r), lambda r: run_trial_group([cfg], [r])[0]):
+        again = Recorder()
+        summary = rerun(again)
+        assert again.reports == []  # not one step trained, nothing reported
+        assert summary.status == how and summary.steps_done == first.steps_done
+        assert summary.eval_steps == first.eval_steps
+
+
+def test_a_checkpoint_directory_of_another_owner_is_not_resumed(tmp_path: Path) -> None:
+    """Study 1 / trial 0 of a reset database must not resume the old run's weights."""
+    old = tiny(checkpoint={"dir": str(tmp_path), "owner": "study-1@old/trial-0"})
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_trial(old, Recorder(crash_at_step=15))
+    assert (tmp_path / "checkpoint.pt").exists()
+    new = tiny(checkpoint={"dir": str(tmp_path), "owner": "study-1@new/trial-0"})
+    rec = Recorder()
+    run_trial(new, rec)
+    assert rec.steps == [5, 10, 15, 20]  # from step 0: nothing of the old run was used
+    assert (tmp_path / OWNER_FILE).read_text() == "study-1@new/trial-0"
+    # the same owner resumes as before
+    rec_same = Recorder()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_trial(
+            tiny(checkpoint={"dir": str(tmp_path / "b"), "owner": "x"}), Recorder(crash_at_step=15)
+        )
+    run_trial(tiny(checkpoint={"dir": str(tmp_path / "b"), "owner": "x"}), rec_same)
+    assert rec_same.steps == [15, 20]
+
+
+def test_a_pruned_member_costs_no_more_compute() -> None:
+    configs = [tiny(seed=s, steps=40, eval_every=10) for s in range(3)]
+    finished: list[Member] = []
+    engine = _engine(3, finished)
+    recs = [Recorder(stop_at_report=1), Recorder(), Recorder(stop_at_report=2)]
+    for i, (c, r) in enumerate(zip(configs, recs, strict=True)):
+        engine.admit(new_member(c, r, torch.device("cpu"), tag=i))
+    engine.run()
+    assert [m.tag for m in finished] == [0, 2, 1]  # each finished the moment it stopped
+    assert [m.summary.steps_done for m in sorted(finished, key=lambda m: m.tag)] == [10, 40, 20]  # type: ignore[union-attr]
+    assert engine.steps_run == 10 + 40 + 20
+
+
+def test_a_lambda_zero_member_trains_as_with_no_regularizer_in_the_fused_path() -> None:
+    """kind locater at lambda 0 beside a regularized member == kind none beside the same."""
+    partner = tiny(seed=1, regularizer={"kind": "spectral_variance", "lambda": 0.5})
+    zero = tiny(seed=0, regularizer={"kind": "locater", "lambda": 0.0, "target_mean": 1.0})
+    none = tiny(seed=0, regularizer={"kind": "none"})
+    a, b = Recorder(), Recorder()
+    run_trial_group([zero, partner], [a, None])
+    run_trial_group([none, partner], [b, None])
+    assert a.stream() == b.stream()  # bit for bit
+
+
+def test_engine_needs_a_free_slot() -> None:
+    engine = _engine(1)
+    device = resolve_device(tiny())
+    engine.admit(new_member(tiny(), None, device))
+    with pytest.raises(RuntimeError, match="no free slot"):
+        engine.admit(new_member(tiny(seed=1), None, device))

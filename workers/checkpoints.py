@@ -1,0 +1,74 @@
+"""A trial's checkpoint directory: whose it is, and whether the trial has stopped; torch-free.
+
+The directory (`TrialConfig.checkpoint.dir`) holds the trial's weights (`checkpoint.pt`, written
+by workers/engine.py), its report journal (`reports.jsonl`, workers/remote.py) and two small
+files kept here:
+
+- `owner`: who the directory belongs to (`CheckpointConfig.owner`, e.g. a study's unique id
+  and the trial number). A directory found with another owner is an old run's (a database
+  reset that made a new study 1 / trial 0, say): it is emptied before anything is read, so a
+  new trial never resumes foreign weights or replays a foreign journal.
+- `stopped.json`: the trial's final status and summary, written the moment it stops (pruned,
+  diverged, completed) and before its slot trains anything else. Every later execution (a
+  Ray retry, a runner restart, a slot worker that picks the trial up again) finds it and
+  returns the recorded summary without training: a stopped trial never trains again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+__all__ = ["OWNER_FILE", "STOPPED_FILE", "claim_dir", "read_stopped", "write_stopped"]
+
+OWNER_FILE = "owner"
+STOPPED_FILE = "stopped.json"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write, fsync and rename: a crash leaves the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def claim_dir(directory: str | Path | None, owner: str | None) -> bool:
+    """Make `directory` belong to `owner`; returns True when a foreign run's files were removed.
+
+    Without an owner (a trial run by hand) nothing is checked: the directory is the caller's.
+    """
+    if directory is None or owner is None:
+        return False
+    d = Path(directory)
+    marker = d / OWNER_FILE
+    if marker.exists() and marker.read_text() == owner:
+        return False
+    wiped = d.exists() and any(d.iterdir())
+    if wiped:
+        shutil.rmtree(d)
+    _atomic_write(marker, owner)
+    return wiped
+
+
+def write_stopped(directory: str | Path | None, record: dict[str, Any]) -> None:
+    """Record that the trial stopped (status, step, summary): durable before this returns."""
+    if directory is not None:
+        _atomic_write(Path(directory) / STOPPED_FILE, json.dumps(record))
+
+
+def read_stopped(directory: str | Path | None) -> dict[str, Any] | None:
+    """The stop record of a trial that already stopped, or None."""
+    if directory is None:
+        return None
+    path = Path(directory) / STOPPED_FILE
+    if not path.exists():
+        return None
+    record: dict[str, Any] = json.loads(path.read_text())
+    return record

@@ -1,0 +1,201 @@
+"""What a trial measures: the evaluation at each `eval_every` step and the summary at its end.
+
+`probe_metrics` is every docs/metrics.md quantity per layer and head on a fixed probe batch;
+`val_loss` the validation loss; `History` the per-evaluation numbers a summary is made from
+(kept in the checkpoint); `summarize` the `TrialSummary`. The trial engine (workers/engine.py)
+calls these for every member, alone or fused, so a trial means the same however it ran.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from workers import metrics as M
+from workers.config import MetricPoint, RegularizerConfig, TrialConfig, TrialStatus, TrialSummary
+from workers.model import GPT
+from workers.regularizers import model_penalty
+from workers.tasks import Task
+
+__all__ = ["History", "init_points", "penalty", "probe_metrics", "summarize", "val_loss"]
+
+
+def penalty(model: GPT, reg: RegularizerConfig) -> Tensor:
+    """The regularizer's value on the model: mean over layers and heads."""
+    return model_penalty(model.qk_weights(), reg.kind, reg.target_mean)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+@torch.no_grad()
+def probe_metrics(model: GPT, probe_x: Tensor) -> list[MetricPoint]:
+    """Every docs/metrics.md quantity per layer (1..L; 0 = embeddings for rank) and head."""
+    was_training = model.training
+    model.eval()
+    out = model.probe(probe_x)
+    points: list[MetricPoint] = []
+    for layer, attn in enumerate(out.attn, start=1):
+        ent = M.attention_entropy(attn).tolist()
+        norm_ent = M.normalized_attention_entropy(attn, causal=True).tolist()
+        for h, (e, ne) in enumerate(zip(ent, norm_ent, strict=True)):
+            points.append(MetricPoint("attn_entropy", e, layer, h))
+            points.append(MetricPoint("attn_entropy_norm", ne, layer, h))
+    for layer, hidden in enumerate(out.hidden):
+        ratio = M.rank_collapse_ratio(hidden.float()).mean().item()
+        points.append(MetricPoint("rank_ratio", ratio, layer))
+    for layer, (w_q, w_k) in enumerate(model.qk_weights(), start=1):
+        mean, var = M.qk_eigen_stats_factored(w_q.float(), w_k.float())
+        for h, (m, v) in enumerate(zip(mean.tolist(), var.tolist(), strict=True)):
+            points.append(MetricPoint("qk_eig_mean", m, layer, h))
+            points.append(MetricPoint("qk_eig_var", v, layer, h))
+        for h, r in enumerate(M.qk_eig_mean_rank(w_q.float(), w_k.float()).tolist()):
+            points.append(MetricPoint("qk_eig_mean_rank", r, layer, h))
+    model.train(was_training)
+    return points
+
+
+@torch.no_grad()
+def val_loss(
+    model: GPT, batches: list[tuple[Tensor, Tensor]], ctx: Any, dev: torch.device
+) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with ctx:
+            _, loss = model(x.to(dev), y.to(dev))
+        assert loss is not None
+        total += float(loss)
+    model.train(was_training)
+    return total / len(batches)
+
+
+def init_points(
+    model: GPT,
+    val_batches: list[tuple[Tensor, Tensor]],
+    ctx: Any,
+    dev: torch.device,
+    reg: RegularizerConfig,
+    probe_x: Tensor,
+) -> list[MetricPoint]:
+    """The step-0 evaluation: validation loss, penalty and probe metrics; no train loss."""
+    points = [MetricPoint("val_loss", val_loss(model, val_batches, ctx, dev))]
+    if reg.kind != "none" and reg.lam != 0.0:
+        with torch.no_grad(), ctx:
+            points.append(MetricPoint("reg_penalty", float(penalty(model, reg))))
+    return points + probe_metrics(model, probe_x)
+
+
+@dataclass
+class History:
+    """The per-evaluation numbers the summary is made from (kept in the checkpoint).
+
+    `steps` .. `last_points` cover training evaluations only; `init_points` is the
+    step-0 evaluation (None when `eval_at_init` is off or it has not run yet; a plain
+    class default, so checkpoints written before the field existed still load).
+    """
+
+    steps: list[int]
+    val_losses: list[float]
+    train_losses: list[float]
+    min_norm_entropies: list[float]
+    last_points: list[MetricPoint]
+    init_points: list[MetricPoint] | None = None
+
+    @classmethod
+    def empty(cls) -> History:
+        return cls([], [], [], [], [])
+
+
+@dataclass(frozen=True)
+class _PointStats:
+    """The summary's reductions of one evaluation's metric points."""
+
+    val_loss: float | None
+    min_norm_entropy: float | None  # smallest over layers and heads
+    rank_ratio: float | None  # last layer
+    qk_eig_var: float | None  # mean over layers and heads
+    qk_eig_mean: float | None
+
+
+def _point_stats(points: list[MetricPoint]) -> _PointStats:
+    by_name: dict[str, list[MetricPoint]] = {}
+    for p in points:
+        by_name.setdefault(p.name, []).append(p)
+
+    def mean_of(name: str) -> float | None:
+        vals = [p.value for p in by_name.get(name, [])]
+        return _finite(sum(vals) / len(vals)) if vals else None
+
+    val = by_name.get("val_loss", [])
+    norm_ent = [p.value for p in by_name.get("attn_entropy_norm", [])]
+    ranks = sorted(by_name.get("rank_ratio", []), key=lambda p: p.layer or 0)
+    return _PointStats(
+        val_loss=_finite(val[0].value) if val else None,
+        min_norm_entropy=_finite(min(norm_ent)) if norm_ent else None,
+        rank_ratio=_finite(ranks[-1].value) if ranks else None,
+        qk_eig_var=mean_of("qk_eig_var"),
+        qk_eig_mean=mean_of("qk_eig_mean"),
+    )
+
+
+def summarize(
+    config: TrialConfig,
+    task: Task,
+    hist: History,
+    status: TrialStatus,
+    steps_done: int,
+    diverged_at: int | None,
+    elapsed: float,
+    device: torch.device,
+) -> TrialSummary:
+    s = TrialSummary(status=status, steps_done=steps_done, diverged_at_step=diverged_at)
+    s.wall_time_s = elapsed
+    s.tokens_per_s = steps_done * config.batch_size * task.seq_len / max(elapsed, 1e-9)
+    s.device = str(device)
+    s.eval_steps = list(hist.steps)
+    s.val_losses = [_finite(v) for v in hist.val_losses]
+    if hist.init_points is not None:
+        init = _point_stats(hist.init_points)
+        s.init_val_loss, s.init_min_norm_entropy = init.val_loss, init.min_norm_entropy
+        s.init_rank_ratio, s.init_qk_eig_var = init.rank_ratio, init.qk_eig_var
+    if not hist.steps:
+        return s
+    finite_vals = [v for v in hist.val_losses if math.isfinite(v)]
+    s.final_train_loss = _finite(hist.train_losses[-1])
+    s.final_val_loss = _finite(hist.val_losses[-1])
+    s.best_val_loss = min(finite_vals) if finite_vals else None
+    last = _point_stats(hist.last_points)
+    s.min_norm_entropy = last.min_norm_entropy
+    if any(p.name == "attn_entropy_norm" for p in hist.last_points):
+        s.min_norm_entropy_ever = _finite(min(hist.min_norm_entropies))
+    s.final_rank_ratio = last.rank_ratio
+    s.qk_eig_var, s.qk_eig_mean = last.qk_eig_var, last.qk_eig_mean
+    s.entropy_collapse = (
+        s.min_norm_entropy is not None and s.min_norm_entropy < config.entropy_collapse_threshold
+    )
+    s.rank_collapse = (
+        s.final_rank_ratio is not None and s.final_rank_ratio < config.rank_collapse_threshold
+    )
+    if len(finite_vals) == len(hist.val_losses):
+        s.plateaus = M.detect_plateaus(
+            hist.steps, hist.val_losses, config.plateau_window, config.plateau_rel_tol
+        )
+        stats = M.plateau_stats(s.plateaus, hist.steps[-1])
+        s.plateau_count = stats["plateau_count"]
+        s.plateau_steps = stats["plateau_steps"]
+        s.longest_plateau = stats["longest_plateau"]
+        s.trapped = M.is_trapped(
+            s.plateaus,
+            hist.steps[-1],
+            hist.val_losses[-1],
+            task.known_optimum,
+            config.trapped_rel_gap,
+        )
+    return s
