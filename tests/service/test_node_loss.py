@@ -148,9 +148,15 @@ def test_killed_worker_node_slot_members_resume_elsewhere(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:
     """`fuse: 2`: the members of the slot worker on the lost node resume in another worker on
-    another node, each from its own checkpoint, and end as the same trial run alone (the
-    fused contract, 1e-4 in float32; QK init scales below the chaotic region, where members
-    that now train beside other partners would part by rounding alone)."""
+    another node, each from its own checkpoint, and end as the same trial run alone.
+
+    Tolerance: the fused contract is about 1e-4 in float32 below the chaotic region (QK init
+    scales here stay below it). A resumed member trains its last few hundred steps beside a
+    different partner (or none) than before, so its rounding differs from both the first
+    attempt and the run alone; CI measured 1.0e-4 once (2.48932 vs 2.48907), so the bound is
+    3e-4. Wrong resumes at these settings (checkpoint at step 200 of 480) move it 20x more:
+    optimizer state lost 6e-3 to 8e-3, data stream restarted 6e-3 to 1.3e-2, 20 steps lost
+    2e-2 (measured 2026-11-25 with run_trial and an edited checkpoint)."""
     spec = {**fault_spec(n_trials=4, max_retries=2, steps=INTERRUPT_STEPS), "fuse": 2}
     spec["search_space"] = {"model.qk_init_std": {"type": "float", "low": 0.02, "high": 0.15}}
     run = StudyThread(db_url, tmp_path, spec)
@@ -168,7 +174,7 @@ def test_killed_worker_node_slot_members_resume_elsewhere(
     base = StudySpec.model_validate(spec).base
     for t in hit:
         alone = run_trial(apply_params(base, t.params))
-        assert t.final_val_loss == pytest.approx(alone.final_val_loss, rel=1e-4)
+        assert t.final_val_loss == pytest.approx(alone.final_val_loss, rel=3e-4)
 
 
 def test_trial_out_of_retries_fails_with_reason_and_study_goes_on(
