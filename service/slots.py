@@ -5,7 +5,8 @@ With `fuse > 1` a study runs up to `parallelism` slot workers (Ray tasks running
 each holding up to `fuse` member slots for trials of one fusion key (same architecture,
 shapes and loop) for its whole life. A worker takes its next trial from the runner through
 the inbox the moment a member stops, while its other members keep training. A config the
-fused model refuses (dropout, sigma-reparam) gets a worker of one slot to itself.
+fused model refuses (dropout, sigma-reparam) gets a worker of one slot to itself, which
+trains it with the plain runner, exactly as `fuse: 1` would.
 
 The pool is the runner's book of that: it starts workers, assigns trials, frees a slot when
 a member's result arrives, closes a worker when no more trials will come for it, and says
@@ -25,7 +26,7 @@ import ray
 from service.dispatch import Planned
 from service.spec import StudySpec
 from workers.config import TrialConfig
-from workers.fusion_plan import FusionError, check_fusable, fusion_key
+from workers.fusion_plan import FusionError, auto_fuse, check_fusable, fusion_key
 from workers.remote import run_slot_worker_task
 
 __all__ = ["SlotPool", "SlotWorker", "slot_key"]
@@ -33,13 +34,22 @@ __all__ = ["SlotPool", "SlotWorker", "slot_key"]
 _worker_task = ray.remote(run_slot_worker_task)
 
 
-def slot_key(config: TrialConfig, number: int) -> tuple[str, int | None]:
+def slot_key(
+    config: TrialConfig, number: int, auto_gpus: float | None = None
+) -> tuple[str, int | None]:
     """The fusion key of a trial's config and the slots its worker gets (None = `fuse`);
-    a config the fused model refuses gets a key (and a one-slot worker) of its own."""
+    a config the fused model refuses gets a key (and a one-slot worker) of its own.
+
+    With `fuse: auto` (`auto_gpus`: the study's GPUs per worker) each key gets what
+    `auto_fuse` says its own config gains: a grid over depth holds keys whose steps cost 10x
+    the base config's, where fusion on a CPU no longer pays (docs/reproductions.md, 4.1).
+    """
     try:
         check_fusable(config)
     except FusionError:
         return f"alone:{number}", 1
+    if auto_gpus is not None:
+        return fusion_key(config), auto_fuse(config, auto_gpus)
     return fusion_key(config), None
 
 
@@ -66,6 +76,7 @@ class SlotPool:
         self.spec, self.study_id, self.inbox = spec, study_id, inbox
         self.workers: dict[Any, SlotWorker] = {}
         self.slots_for: dict[str, int] = {}  # a key's slot count a worker said fits
+        self.auto_gpus = spec.resources.gpus if spec.fuse == "auto" else None
         self._serial = 0
 
     def room(self) -> int:
@@ -77,7 +88,7 @@ class SlotPool:
     def place(self, planned: Planned, config: TrialConfig) -> bool:
         """Give the trial a slot: in an open worker of its key, else in a new worker; False
         when neither exists now (it waits for one)."""
-        key, slots = slot_key(config, planned.number)
+        key, slots = slot_key(config, planned.number, self.auto_gpus)
         item = (config.model_dump(mode="json", by_alias=True), planned.number)
         for w in self.workers.values():
             if not w.closed and w.key == key and w.free > 0:
@@ -88,7 +99,7 @@ class SlotPool:
             return False
         name = f"study-{self.study_id}/worker-{self._serial}"
         self._serial += 1
-        capacity = slots or min(self.spec.slots, self.slots_for.get(key, self.spec.slots))
+        capacity = min(slots or self.spec.slots, self.slots_for.get(key, self.spec.slots))
         res = self.spec.resources
         ref = _worker_task.options(
             name=name, num_cpus=res.cpus, num_gpus=res.gpus, max_retries=0

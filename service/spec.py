@@ -205,7 +205,8 @@ class StudySpec(_Strict):
         1` from meaning one trial at a time); for random and grid samplers, what
         `workers.fusion_plan.auto_fuse` says the base config gains (CPU: 4 below 1 GFLOP a
         step; GPU: 8, lowered by the worker's memory estimate; 1 where the fused model
-        refuses the config).
+        refuses the config). Each fusion key's workers then get what its own config gains
+        (`service.slots.slot_key`): a 12-layer grid point of a 1-layer base is not fused.
         """
         if self.fuse != "auto":
             return self.fuse

@@ -323,12 +323,16 @@ class _SlotWorker:
 
     def _start_engine(self, config: TrialConfig) -> None:
         # torch is imported by the worker process only, never by the runner
-        from workers.engine import Engine, autocast_for, resolve_device
+        from workers.engine import Engine, PlainRunner, autocast_for, resolve_device
         from workers.fused import FusedRunner
 
         self.device = resolve_device(config)
         ctx = autocast_for(config, self.device)
-        runner = FusedRunner(self.capacity, self.device, ctx)
+        # One slot: the plain runner, exactly `run_trial`'s, which also trains the configs
+        # the fused model refuses (dropout, sigma-reparam) that get one-slot workers.
+        runner: PlainRunner | FusedRunner = (
+            PlainRunner(ctx) if self.capacity == 1 else FusedRunner(self.capacity, self.device, ctx)
+        )
         self.engine = Engine(runner, self.device, ctx, on_finish=self._finished)
 
     def _finished(self, mem: Any) -> None:

@@ -10,6 +10,7 @@ from service.config import Settings
 from service.dispatch import Planned, task_name, trial_config
 from service.slots import slot_key
 from service.spec import StudySpec
+from workers.fusion_plan import AUTO_FUSE_CPU, AUTO_FUSE_MAX_FLOPS, step_flops
 
 SPACE = {
     "optim.lr": {"type": "categorical", "choices": [0.001, 0.003]},
@@ -45,6 +46,30 @@ def test_slot_keys_follow_the_fusion_key(tmp_path: Path) -> None:
         assert c.optim.lr == p.params["optim.lr"]
         assert c.checkpoint.dir == str(tmp_path / "ckpt" / "study-7" / f"trial-{p.number}")
         assert c.checkpoint.owner == f"o/trial-{p.number}"
+
+
+def test_fuse_auto_gives_each_key_the_slots_its_own_config_gains(tmp_path: Path) -> None:
+    """A grid over depth: the base config's step is small (fused on a CPU), the 12-layer
+    key's step is not (a one-slot worker): `fuse: auto` decides per key, not from the base."""
+    space = {"model.n_layers": {"type": "int", "low": 1, "high": 12, "grid": [1, 12]}}
+    base = {"model": {"n_layers": 1, "n_heads": 2, "d_model": 64, "d_ff": 256}}
+    task = {"kind": "lm", "data_dir": "wikitext-2", "tokenizer": "char", "vocab_cap": 256}
+    base |= {"batch_size": 16, "task": task | {"seq_len": 64}}
+    settings = Settings(home=tmp_path, checkpoint_dir=str(tmp_path / "ckpt"))
+    keys = {}
+    for fuse in ("auto", 4):
+        spec = StudySpec.model_validate(
+            {"name": "d", "base": base, "budget": {"n_trials": 2}, "search_space": space}
+            | {"sampler": {"kind": "grid", "seed": 0}, "fuse": fuse}
+        )
+        plan = planned(spec, [{"model.n_layers": 1}, {"model.n_layers": 12}])
+        configs = [trial_config(spec, settings, 7, p.params, p.number, owner="o") for p in plan]
+        auto = spec.resources.gpus if fuse == "auto" else None
+        keys[fuse] = [slot_key(c, p.number, auto) for c, p in zip(configs, plan, strict=True)]
+        assert [step_flops(c) < AUTO_FUSE_MAX_FLOPS for c in configs] == [True, False]
+    assert [k[1] for k in keys["auto"]] == [AUTO_FUSE_CPU, 1]
+    assert [k[1] for k in keys[4]] == [None, None]  # an explicit fuse is what the user set
+    assert [k[0] for k in keys["auto"]] == [k[0] for k in keys[4]]
 
 
 def test_task_names_show_the_trial() -> None:

@@ -89,6 +89,38 @@ def test_fuse_4_gives_the_trials_of_fuse_1(app_client: TestClient, db_url: str) 
     check_finished_study(db_url, fused[0]["study_id"])
 
 
+def refused_grid(fuse: int) -> dict[str, Any]:
+    """A grid over QK normalisation x seed: sigma-reparam is refused by the fused model."""
+    spec = quickstart_random(fuse)
+    spec["search_space"] = {
+        "model.qk_norm": {"type": "categorical", "choices": ["none", "sigma_reparam"]},
+        "seed": {"type": "int", "low": 0, "high": 1, "grid": [0, 1]},
+    }
+    spec["sampler"] = {"kind": "grid", "seed": 0}
+    spec["name"] = f"refused-{fuse}"
+    return spec
+
+
+def test_configs_the_fused_model_refuses_train_alone_in_a_fused_study(
+    app_client: TestClient, db_url: str
+) -> None:
+    """With `fuse: 2`, sigma-reparam trials get one-slot workers that train them exactly as
+    `fuse: 1` does (the plain runner); the others are fused. Found when the entropy-collapse
+    reproduction ran through the service and its 12 sigma-reparam trials FAILED."""
+    alone = {t["number"]: t for t in run(app_client, refused_grid(1))}
+    fused = run(app_client, refused_grid(2))
+    assert len(fused) == len(alone) == 4
+    for f in fused:
+        a = alone[f["number"]]
+        assert f["params"] == a["params"]
+        assert f["state"] == a["state"] == "COMPLETE", (f["error"], a["error"])
+        if f["params"]["model.qk_norm"] == "sigma_reparam":
+            assert f["value"] == a["value"]  # the same program, bit for bit on CPU
+        else:
+            assert abs(f["value"] - a["value"]) <= REL_TOL * abs(a["value"]), (a, f)
+    check_finished_study(db_url, fused[0]["study_id"])
+
+
 def wild_and_calm(n_trials: int, steps: int) -> dict[str, Any]:
     """Plain SGD without clipping: lr 10 diverges (tests/workers/test_trial), lr 0.1 does
     not. The grid sampler runs every (lr, seed) pair, so some members are wild, some calm."""
