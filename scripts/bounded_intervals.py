@@ -81,12 +81,25 @@ def main() -> None:
         for field in ("min_norm_entropy", "final_rank_ratio"):
             _show(f"  lambda {lam} {field}", [s[field] for s in summaries])
 
-    # 3 of 3 collapsed (lr 0.03, no remedy) vs 0 of 3 (each remedy / lr 0.001)
-    _, p_two = stats.fisher_exact([[3, 0], [0, 3]], alternative="two-sided")
-    _, p_one = stats.fisher_exact([[3, 0], [0, 3]], alternative="greater")
-    print(f"Fisher exact, 3/3 vs 0/3: two-sided p = {p_two:.4f}, one-sided p = {p_one:.4f}")
-    _, p_13 = stats.fisher_exact([[3, 0], [1, 2]], alternative="two-sided")
-    print(f"Fisher exact, 3/3 vs 1/3: two-sided p = {p_13:.4f}")
+    # Collapse counts (summary flag: final entropy below the threshold), each setting at lr
+    # 0.03 against lr 0.03 with no remedy, and lr 0.001 with no remedy against it too.
+    counts: dict[tuple[float, str, float], list[bool]] = defaultdict(list)
+    for r in _load("entropy_collapse.jsonl"):
+        p = r["params"]
+        key = (p["optim.lr"], p["model.qk_norm"], p["regularizer.lambda"])
+        counts[key].append(bool(r["summary"]["entropy_collapse"]))
+    ref = counts[(0.03, "none", 0.0)]
+    print(f"4.3 Fisher exact vs lr 0.03 / none / lambda 0 ({sum(ref)} of {len(ref)} collapsed)")
+    for key, flags in sorted(counts.items()):
+        if key == (0.03, "none", 0.0):
+            continue
+        table = [[sum(ref), len(ref) - sum(ref)], [sum(flags), len(flags) - sum(flags)]]
+        _, p_two = stats.fisher_exact(table, alternative="two-sided")
+        _, p_one = stats.fisher_exact(table, alternative="greater")
+        print(
+            f"  lr {key[0]} {key[1]} lambda {key[2]}: {sum(flags)} of {len(flags)}, "
+            f"two-sided p = {p_two:.3f}, one-sided p = {p_one:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@
 Starts a local `qkscope serve` (SQLite, a Ray head of its own with 2 CPUs, data from
 ../shared/data), POSTs the study over REST, waits for COMPLETED, reads every trial back
 through the API (`/v1/studies/{id}/trials`, `/v1/trials/{id}`) and writes one JSON line per
-trial: study id, number, state, params and summary (the format `scripts/run_grid.py table`
-reads). Prints the study id and its wall time (POST to COMPLETED). With `--unfused-too` the
-same study runs again with `fuse: 1` on the same server, for the fused-vs-unfused figure.
+trial: study id, number, state, params and summary (what `scripts/repro_tables.py` and
+`scripts/bounded_intervals.py` read). Prints the study id and its wall time (POST to
+COMPLETED). With `--unfused-too` the same study runs again with `fuse: 1` on the same
+server, for the fused-vs-unfused figure.
 """
 
 from __future__ import annotations
