@@ -22,8 +22,10 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def _load(name: str) -> list[dict[str, Any]]:
+    """The records in seed order (the service's are in trial-number order)."""
     lines = (RESULTS / name).read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    records = [json.loads(line) for line in lines if line.strip()]
+    return sorted(records, key=lambda r: r["params"].get("seed", 0))
 
 
 def bounded_interval(values: list[float]) -> tuple[str, float, float, float]:

@@ -24,7 +24,9 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
 
 
 def load(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records in seed order (the service's are in trial-number order)."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(records, key=lambda r: r["params"].get("seed", 0))
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
@@ -48,7 +50,7 @@ def seeds(values: list[float]) -> str:
 def by(records: list[dict[str, Any]], *paths: str) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
     """Summaries grouped by the given params, each group in seed order."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for r in sorted(records, key=lambda r: r["params"].get("seed", 0)):
+    for r in records:
         assert r["state"] == "COMPLETE", r
         groups[tuple(r["params"][p] for p in paths)].append(r["summary"])
     return groups
