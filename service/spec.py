@@ -203,7 +203,7 @@ class StudySpec(_Strict):
         from finished trials (tpe, gp, cmaes, nsga2: slots would multiply the trials they
         must propose without results, as a higher `parallelism` does, and keep `parallelism:
         1` from meaning one trial at a time); for random and grid samplers, what
-        `workers.fusion_plan.auto_fuse` says the base config gains (CPU: 4 below 1 GFLOP a
+        `workers.fusion_plan.auto_fuse` says the base config gains (CPU: 4 below 0.25 GFLOP a
         step; GPU: 8, lowered by the worker's memory estimate; 1 where the fused model
         refuses the config). Each fusion key's workers then get what its own config gains
         (`service.slots.slot_key`): a 12-layer grid point of a 1-layer base is not fused.

@@ -129,11 +129,13 @@ def slots_that_fit(config: TrialConfig, vocab_size: int, free_bytes: int, wanted
     return max(1, min(wanted, int(0.8 * free_bytes) // max(1, member_bytes(config, vocab_size))))
 
 
-AUTO_FUSE_MAX_FLOPS = 1e9
-"""Below this many training FLOPs per step one trial cannot keep two CPU cores busy and fusion
-pays (measured on 2 cores, bench/README.md: 1.8x the tokens/s at 1L d32 and 2.0x at 2L d64,
-both < 0.4 GFLOP/step; 0.98x at 4L d128, 2.6 GFLOP/step; and 0.94x for the Bao study's
-1-layer d128 word LM, 1.1 GFLOP/step of which 0.8 is the vocabulary-2000 head)."""
+AUTO_FUSE_MAX_FLOPS = 0.25e9
+"""Below this many training FLOPs per step fusion pays on a CPU. A CPU study's workers get one
+core and one torch thread each and already fill the cores, so fusion only saves per-operation
+overhead: 4 fused members trained 1.11-1.20x the trials/s of one plain trial at 0.035-0.21
+GFLOP/step, 0.92x at 0.34 and 0.80-0.81x at 0.45-0.67 (`python -m bench.fuse_threshold`,
+single thread, 2026-11-25; bench/README.md). Through the service the small grids gain more
+(1.5-1.7x for the entropy-collapse grid at 0.035 GFLOP), as per-trial costs are shared too."""
 AUTO_FUSE_CPU = 4
 AUTO_FUSE_GPU = 8
 

@@ -52,7 +52,7 @@ def test_fuse_auto_gives_each_key_the_slots_its_own_config_gains(tmp_path: Path)
     """A grid over depth: the base config's step is small (fused on a CPU), the 12-layer
     key's step is not (a one-slot worker): `fuse: auto` decides per key, not from the base."""
     space = {"model.n_layers": {"type": "int", "low": 1, "high": 12, "grid": [1, 12]}}
-    base = {"model": {"n_layers": 1, "n_heads": 2, "d_model": 64, "d_ff": 256}}
+    base = {"model": {"n_layers": 1, "n_heads": 2, "d_model": 32, "d_ff": 128}}
     task = {"kind": "lm", "data_dir": "wikitext-2", "tokenizer": "char", "vocab_cap": 256}
     base |= {"batch_size": 16, "task": task | {"seq_len": 64}}
     settings = Settings(home=tmp_path, checkpoint_dir=str(tmp_path / "ckpt"))

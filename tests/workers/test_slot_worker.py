@@ -138,3 +138,15 @@ def test_fuse_auto_counts_the_head_of_a_language_model() -> None:
         batch_size=16,
     )
     assert step_flops(lm) > AUTO_FUSE_MAX_FLOPS and auto_fuse(lm, gpus=0) == 1
+
+
+def test_fuse_auto_leaves_the_dong_grid_points_alone_that_ran_slower_fused() -> None:
+    """1 layer, d64, MLP 256, 64 characters x 16: 0.45 GFLOP a step, where 4 fused members
+    trained 0.80x the trials/s of one plain trial (bench/fuse_threshold.py); d32 of the same
+    shape (0.15 GFLOP) trained 1.16x and stays fused."""
+    shape = {"n_layers": 1, "n_heads": 2, "d_ff": 256, "block": "attn_mlp_skip"}
+    char = {"kind": "lm", "data_dir": "x", "tokenizer": "char", "vocab_cap": 256, "seq_len": 64}
+    slower = tiny(task=char, model={**shape, "d_model": 64}, batch_size=16)
+    faster = tiny(task=char, model={**shape, "d_model": 32, "d_ff": 128}, batch_size=16)
+    assert auto_fuse(slower, gpus=0) == 1
+    assert auto_fuse(faster, gpus=0) == 4
