@@ -11,8 +11,9 @@ marks the study COMPLETED, FAILED or CANCELLED.
 
 The runner in parts, each readable alone: service/dispatch.py makes trial configs and
 single-trial tasks; service/slots.py keeps the slot workers; service/trial_events.py owns
-the open trials' event state (starts, reports, pruning); service/outcomes.py records and
-tells outcomes; this module asks Optuna, launches, resumes after a crash, cancels and runs
+the open trials' event state (starts, reports, pruning); service/finishing.py holds a
+finished trial until its last reports are stored; service/outcomes.py records and tells
+outcomes; this module asks Optuna, launches, resumes after a crash, cancels and runs
 the loop.
 
 A rerun of the same study (after the job or the cluster died) picks up where
@@ -27,7 +28,6 @@ import sys
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -53,6 +53,7 @@ from service.db.session import (
     with_retry,
 )
 from service.dispatch import Planned, submit, trial_config
+from service.finishing import Finishing
 from service.outcomes import Outcomes
 from service.slots import SlotPool, slot_key
 from service.spec import HISTORY_FREE_SAMPLERS, StudySpec
@@ -72,17 +73,49 @@ __all__ = ["main", "run_study"]
 
 log = logging.getLogger("qkscope.runner")
 POLL_S = 1.0  # how often the loop looks for a cancel when no trial event woke it
-FLUSH_TIMEOUT_S = 60.0  # a finished trial waits at most this long for its last reports
 TERMINAL = {StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED}
 
 
-@dataclass
-class _Finishing:
-    """A trial whose result arrived, waiting until the runner has stored all its reports."""
+def set_status(
+    sessions: sessionmaker[Session], study_id: int, status: StudyStatus, error: str | None = None
+) -> None:
+    """Move the study to `status`; a terminal status (e.g. a cancel) is never left."""
 
-    entry: Running
-    result: dict[str, Any]
-    since: float
+    def write() -> None:
+        with session_scope(sessions) as s:
+            row = s.get(Study, study_id)
+            assert row is not None
+            if StudyStatus(row.status) in TERMINAL:
+                return
+            row.status = status
+            if status == StudyStatus.RUNNING and row.started_at is None:
+                row.started_at = utcnow()
+            if status in TERMINAL:
+                row.finished_at = utcnow()
+            if error:
+                row.error = error
+
+    with_retry(write, "set status")
+
+
+def recount_cancelled(sessions: sessionmaker[Session], row_ids: list[int]) -> None:
+    """Cancelled here or by the API a moment ago: count the metric rows stored now, after
+    the last batch this runner persisted."""
+    with session_scope(sessions) as s:
+        s.execute(
+            update(Trial)
+            .where(Trial.id.in_(row_ids), Trial.state == TrialState.CANCELLED)
+            .values(metric_rows=stored_metric_rows())
+        )
+
+
+def is_cancelled(sessions: sessionmaker[Session], study_id: int) -> bool:
+    def read() -> bool:
+        with session_scope(sessions) as s:
+            status = s.scalar(select(Study.status).where(Study.id == study_id))
+            return bool(status == StudyStatus.CANCELLED)
+
+    return with_retry(read, "read status")
 
 
 class StudyRunner:
@@ -113,7 +146,7 @@ class StudyRunner:
         self.tasks: dict[Any, Running] = {}  # fuse 1: a Ray task -> its trial
         self.pool: SlotPool | None = None  # fuse > 1: the slot workers (made with the inbox)
         self.pending: deque[Planned] = deque()  # asked (or handed back), waiting for a slot
-        self.finishing: dict[int, _Finishing] = {}
+        self.finishing = Finishing(self.outcomes, self.events)
         self.source = TrialSource(self.spec, self.study, self.sessions, study_id)
         self.waiting = WaitingReason(self.spec, self.sessions, study_id)
 
@@ -182,9 +215,9 @@ class StudyRunner:
         try:
             out: dict[str, Any] = ray.get(ref)
         except Exception as e:
-            self._fail(entry, f"{type(e).__name__}: {str(e)[-2000:]}")
+            self.finishing.fail(entry, f"{type(e).__name__}: {str(e)[-2000:]}")
             return
-        self.finishing[entry.number] = _Finishing(entry, out, time.monotonic())
+        self.finishing.hold(entry, out)
 
     def _worker_ended(self, ref: Any) -> None:
         """A slot worker's task returned or died. Its members that had not finished go back
@@ -209,15 +242,15 @@ class StudyRunner:
             if entry is None or number in self.finishing:
                 continue
             if reason is not None and entry.starts > self.spec.max_retries:
-                self._fail(entry, reason)
+                self.finishing.fail(entry, reason)
             else:
                 self.pending.appendleft(planned)
 
     def _on_finished(self, finished: list[Finished]) -> None:
         """Slot members' results: the slot is free at once; the outcome is recorded when all
-        the member's reports are stored. A trial handed back (no slot for it) waits again."""
+        the member's reports are stored. A trial handed back (no slot for it) waits again; one
+        the worker could not train at all (out of memory alone in it) fails."""
         assert self.pool is not None
-        now = time.monotonic()
         for number, result in finished:
             if result.get("returned"):
                 planned = self.pool.release(number, slots=int(result.get("slots") or 1))
@@ -226,56 +259,14 @@ class StudyRunner:
                 continue
             self.pool.release(number)
             entry = self.events.entry(number)
-            if entry is not None and number not in self.finishing:
-                self.finishing[number] = _Finishing(entry, result, now)
-
-    def _finish_ready(self) -> None:
-        """Finish the trials whose reports have all been stored (the inbox's stream and a
-        result travel separately, so either may arrive first)."""
-        for number, f in list(self.finishing.items()):
-            sent = int(f.result.get("reports_sent", 0))
-            got = f.entry.received.get(str(f.result.get("execution", "")), 0)
-            if got < sent and time.monotonic() - f.since < FLUSH_TIMEOUT_S:
+            if entry is None:
                 continue
-            if got < sent:
-                log.warning("trial %d: %d of %d reports arrived; finishing", number, got, sent)
-            del self.finishing[number]
-            self.outcomes.finish(f.entry, f.result)
-            self.events.forget(number)
-
-    def _fail(self, entry: Running, reason: str) -> None:
-        self.outcomes.fail(entry, reason)
-        self.events.forget(entry.number)
-        log.warning("trial %d failed: %s", entry.number, reason)
+            if result.get("failed"):
+                self.finishing.fail(entry, str(result["failed"]))
+            else:
+                self.finishing.hold(entry, result)
 
     # ---- the loop -----------------------------------------------------------------------------
-
-    def _set_status(self, status: StudyStatus, error: str | None = None) -> None:
-        """Move the study to `status`; a terminal status (e.g. a cancel) is never left."""
-
-        def write() -> None:
-            with session_scope(self.sessions) as s:
-                row = s.get(Study, self.study_id)
-                assert row is not None
-                if StudyStatus(row.status) in TERMINAL:
-                    return
-                row.status = status
-                if status == StudyStatus.RUNNING and row.started_at is None:
-                    row.started_at = utcnow()
-                if status in TERMINAL:
-                    row.finished_at = utcnow()
-                if error:
-                    row.error = error
-
-        with_retry(write, "set status")
-
-    def _cancelled(self) -> bool:
-        def read() -> bool:
-            with session_scope(self.sessions) as s:
-                status = s.scalar(select(Study.status).where(Study.id == self.study_id))
-                return bool(status == StudyStatus.CANCELLED)
-
-        return with_retry(read, "read status")
 
     def _refs(self) -> list[Any]:
         return list(self.tasks) + (self.pool.refs() if self.pool is not None else [])
@@ -289,14 +280,11 @@ class StudyRunner:
     def _cancel_all(self) -> None:
         for ref in self._refs():
             ray.cancel(ref, force=True)
-        for number, f in list(self.finishing.items()):  # arrived before the cancel: keep it
-            self.outcomes.finish(f.entry, f.result)
-            self.events.forget(number)
+        self.finishing.record_all()  # arrived before the cancel: keep it
         row_ids = self._open_row_ids()
         self.tasks.clear()
         if self.pool is not None:
             self.pool.workers.clear()
-        self.finishing.clear()
         self.pending.clear()  # asked, never launched: finish_open_trials closes them below
         with_retry(
             lambda: finish_open_trials(
@@ -305,17 +293,7 @@ class StudyRunner:
             "cancel trials",
         )
 
-        def recount() -> None:
-            # Cancelled here or by the API a moment ago: count what is stored now, after the
-            # last batch this runner persisted.
-            with session_scope(self.sessions) as s:
-                s.execute(
-                    update(Trial)
-                    .where(Trial.id.in_(row_ids), Trial.state == TrialState.CANCELLED)
-                    .values(metric_rows=stored_metric_rows())
-                )
-
-        with_retry(recount, "count cancelled trials' rows")
+        with_retry(lambda: recount_cancelled(self.sessions, row_ids), "count cancelled rows")
 
     def _close_workers(self, more_to_ask: bool) -> None:
         """Slot workers that no trial will come to are told so (they exit when empty): all
@@ -332,7 +310,7 @@ class StudyRunner:
     def run(self) -> StudyStatus:
         if self.status in TERMINAL:
             return self.status
-        self._set_status(StudyStatus.RUNNING)
+        set_status(self.sessions, self.study_id, StudyStatus.RUNNING)
         # The inbox lives on the runner's node: it shares the runner's fate, never a worker's.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         inbox = TrialInbox.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
@@ -346,7 +324,7 @@ class StudyRunner:
         stream = inbox.stream.options(num_returns="streaming").remote()
         try:
             while True:
-                if self._cancelled():
+                if is_cancelled(self.sessions, self.study_id):
                     self._cancel_all()
                     return StudyStatus.CANCELLED
                 out_of_time = timeout is not None and time.monotonic() - t0 > timeout
@@ -377,11 +355,11 @@ class StudyRunner:
                         self._collect(ref)
                     else:
                         self._worker_ended(ref)
-                self._finish_ready()
+                self.finishing.record_ready()
                 self.waiting.check(self._queued_rows())
         finally:
             inbox.close.remote()
-        self._set_status(StudyStatus.COMPLETED)
+        set_status(self.sessions, self.study_id, StudyStatus.COMPLETED)
         return StudyStatus.COMPLETED
 
 
@@ -401,7 +379,8 @@ def run_study(study_id: int, settings: Settings | None = None) -> StudyStatus:
     except Exception as e:
         # A bug in the study (or a database outage past the retries) fails it.
         if runner is not None:
-            runner._set_status(StudyStatus.FAILED, "".join(traceback.format_exception(e))[-4000:])
+            reason = "".join(traceback.format_exception(e))[-4000:]
+            set_status(runner.sessions, study_id, StudyStatus.FAILED, reason)
         raise
     finally:
         engine.dispose()

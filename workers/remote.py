@@ -386,48 +386,60 @@ class _SlotWorker:
         self.started.pop(trial, None)
         self.inbox.finished.remote(trial, {"returned": True, "slots": self.capacity})
 
-    def on_out_of_memory(self) -> None:
-        """The device ran out of memory mid-step: hand every member back (each resumes from
-        its own checkpoint, in a worker with one slot fewer) instead of failing them all."""
+    def on_out_of_memory(self, error: BaseException) -> None:
+        """The device ran out of memory: hand every member back (each resumes from its own
+        checkpoint, in a worker with one slot fewer) instead of failing them all. With one
+        member there is nothing left to shrink: it fails with the error (a hand-back would
+        only run out of memory again, for ever)."""
         import torch
 
-        running = list(self.engine.running) if self.engine is not None else []
-        self.capacity = max(1, len(running) - 1)
-        for mem in running:
-            self._hand_back(int(mem.tag))
+        trials = list(self.reporters)  # training, or being admitted when it happened
         self.engine = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if len(trials) <= 1:
+            reason = f"{type(error).__name__} with one trial in the worker: {str(error)[-1000:]}"
+            for trial in trials:
+                self.reporters.pop(trial, None)
+                self.started.pop(trial, None)
+                self.inbox.finished.remote(trial, {"failed": reason})
+            return
+        self.capacity = len(trials) - 1
+        for trial in trials:
+            self._hand_back(trial)
 
     def run(self, first: list[Assignment]) -> dict[str, Any]:
         import torch
 
-        self.admit(first)
         poll: concurrent.futures.Future[Any] | None = None
         closed = False
-        while True:
-            busy = self.engine is not None and bool(self.engine.running)
-            free = self.engine is None or self.engine.free_slots > 0
-            if poll is None and free and not closed:
-                poll = self.inbox.take.remote(self.worker).future()
-            if poll is not None and (poll.done() or not busy):
-                items = poll.result()  # waits only when no member is left to train
-                poll = None
-                if items is None:
-                    closed = True
-                else:
-                    self.admit(items)
-                continue
-            if not busy:
-                break
-            try:
+        try:
+            self.admit(first)
+            while True:
+                busy = self.engine is not None and bool(self.engine.running)
+                free = self.engine is None or self.engine.free_slots > 0
+                if poll is None and free and not closed:
+                    poll = self.inbox.take.remote(self.worker).future()
+                if poll is not None and (poll.done() or not busy):
+                    items = poll.result()  # waits only when no member is left to train
+                    poll = None
+                    if items is None:
+                        closed = True
+                    else:
+                        self.admit(items)
+                    continue
+                if not busy:
+                    break
                 self.engine.iterate()
-            except torch.OutOfMemoryError:
-                self.on_out_of_memory()
-                break
+        except torch.OutOfMemoryError as e:
+            steps = self.engine.steps_run if self.engine is not None else 0
+            self.on_out_of_memory(e)
+            return self._done(steps)
+        return self._done(self.engine.steps_run if self.engine is not None else 0)
+
+    def _done(self, steps: int) -> dict[str, Any]:
         for reporter in self.all_reporters:
             reporter.flush()
-        steps = self.engine.steps_run if self.engine is not None else 0
         return {"worker": self.worker, "node": self.node, "members": self.admitted, "steps": steps}
 
 

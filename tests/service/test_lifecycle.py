@@ -105,3 +105,22 @@ def test_a_retried_ask_adopts_the_trial_the_failed_try_created(db_url: str, tmp_
     assert sorted(numbers) == [first.number, orphan.number]
     nxt = runner.source.ask(lambda: set())  # nothing left to adopt: a new trial
     assert nxt.number == orphan.number + 1
+
+
+def test_a_slot_member_the_worker_could_not_train_fails_with_its_reason(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A slot worker's `failed` result (out of memory with one slot) fails the trial at once:
+    our row FAILED with the reason, Optuna told FAIL, the trial out of the open registry (a
+    late report of it is dropped)."""
+    from service.slots import SlotPool
+
+    runner = _runner(db_url, tmp_path, fuse=4)
+    runner.pool = SlotPool(runner.spec, runner.study_id, inbox=None)
+    entry = _launch(runner)
+    reason = "OutOfMemoryError with one trial in the worker: CUDA out of memory"
+    runner._on_finished([(entry.number, {"failed": reason})])
+    row = _row(runner, entry)
+    assert row.state == TrialState.FAILED and row.error == reason
+    assert runner.storage.get_trial(entry.trial._trial_id).state == OptunaState.FAIL
+    assert runner.events.entry(entry.number) is None and not runner.finishing

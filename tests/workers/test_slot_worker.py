@@ -72,7 +72,7 @@ def test_out_of_memory_hands_every_member_back_with_one_slot_fewer(tmp_path: Any
         worker.admit(items)
         for _ in range(7):
             worker.engine.iterate()
-        worker.on_out_of_memory()
+        worker.on_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
         assert worker.engine is None and worker.capacity == 2
         returned: list[Any] = []
         deadline = time.monotonic() + 30
@@ -85,6 +85,61 @@ def test_out_of_memory_hands_every_member_back_with_one_slot_fewer(tmp_path: Any
         # nothing recorded them as stopped: each resumes from its checkpoint (step 5)
         assert not any((tmp_path / f"t{s}" / "stopped.json").exists() for s in range(3))
         assert all((tmp_path / f"t{s}" / "checkpoint.pt").exists() for s in range(3))
+    finally:
+        ray.shutdown()
+
+
+def _drain_finished(inbox: Any, n: int) -> list[Any]:
+    got: list[Any] = []
+    deadline = time.monotonic() + 30
+    while len(got) < n and time.monotonic() < deadline:
+        _reports, _starts, finished = ray.get(inbox.drain.remote())
+        got += finished
+        time.sleep(0.1)
+    return got
+
+
+@pytest.mark.cluster
+def test_out_of_memory_in_the_loop_hands_back_and_alone_fails(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through `run()`: an out-of-memory raised by a step (torch's own exception type) hands
+    both members back with one slot; a worker of one slot that runs out of memory again has
+    nothing left to shrink, so its trial fails with the reason instead of being handed back
+    for ever (each hand-back would start a worker that runs out of memory again)."""
+    from workers.engine import Engine
+
+    real_iterate = Engine.iterate
+    calls = {"n": 0}
+
+    def iterate_then_oom(self: Engine) -> None:
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        real_iterate(self)
+
+    monkeypatch.setattr(Engine, "iterate", iterate_then_oom)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        inbox = TrialInbox.remote()  # type: ignore[attr-defined]
+
+        def item(s: int) -> tuple[dict[str, Any], int]:
+            cfg = tiny(seed=s, checkpoint={"dir": str(tmp_path / f"t{s}")})
+            return (cfg.model_dump(mode="json", by_alias=True), s)
+
+        out = _SlotWorker("w2", 2, inbox).run([item(0), item(1)])
+        assert out["members"] == 2
+        back = _drain_finished(inbox, 2)
+        assert sorted(n for n, _ in back) == [0, 1]
+        assert all(r == {"returned": True, "slots": 1} for _, r in back)
+
+        calls["n"] = 0
+        _SlotWorker("w1", 1, inbox).run([item(0)])
+        (number, result), *rest = _drain_finished(inbox, 1)
+        assert number == 0 and not rest and "returned" not in result
+        assert result["failed"].startswith("OutOfMemoryError with one trial in the worker")
+        assert "Tried to allocate 2.00 GiB" in result["failed"]
+        assert not (tmp_path / "t0" / "stopped.json").exists()  # a failure, not a stop
     finally:
         ray.shutdown()
 
