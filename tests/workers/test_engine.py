@@ -1,7 +1,8 @@
 """The trial engine's slots (workers/engine.py): members join and leave a fused runner mid-run
 and still equal their run-alone twins; a stopped member is stopped for good (its stop record
 is honoured by every later execution); a checkpoint directory proves whose it is; a stopped
-member costs no more compute; a lambda-0 member trains exactly as with no regularizer."""
+member costs no more compute; a lambda-0 member trains exactly as with no regularizer, even
+where its own penalty would overflow."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from workers.checkpoints import OWNER_FILE, STOPPED_FILE
 from workers.config import TrialConfig
 from workers.engine import Engine, Member, autocast_for, new_member, resolve_device
 from workers.fused import FusedRunner, run_trial_group
+from workers.metrics import qk_sym_moments
 from workers.trial import run_trial
 
 
@@ -158,6 +160,71 @@ def test_a_lambda_zero_member_trains_as_with_no_regularizer_in_the_fused_path() 
     run_trial_group([zero, partner], [a, None])
     run_trial_group([none, partner], [b, None])
     assert a.stream() == b.stream()  # bit for bit
+
+
+def _overflowing_pair(first: TrialConfig, partner: TrialConfig) -> FusedRunner:
+    """`first` and `partner` placed in one fused runner, `first`'s W_Q, W_K scaled by 3e10.
+
+    With QK-LayerNorm the forward pass is scale-invariant in W_Q, W_K (its loss and gradient
+    stay finite and small), while ||W_sym||_F^2, (3e10)^4 times its value at init, overflows float32 to inf.
+    """
+    cpu = torch.device("cpu")
+    mems = [new_member(c, None, cpu) for c in (first, partner)]
+    with torch.no_grad():
+        for name, p in mems[0].model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(3e10)
+    runner = FusedRunner(2, cpu, autocast_for(first, cpu))
+    runner.place(mems)
+    return runner
+
+
+def test_a_lambda_zero_member_is_untouched_by_its_own_overflowing_penalty() -> None:
+    """METRICS.md section 4: lambda 0 trains exactly as no regularizer, with no `0 * penalty`
+    term that an overflowing penalty turns into NaN. Here the lambda-0 member's own penalty is
+    inf (float32 overflow), so `loss + 0 * penalty` is NaN (checked on the same fused
+    model, so the test fails if the runner ever adds that term); the runner's step gives it a
+    finite loss and gradient, bit for bit those of its no-regularizer twin beside the same
+    lambda > 0 partner."""
+    model = {"qk_norm": "layernorm"}
+    partner = tiny(seed=1, model=model, regularizer={"kind": "spectral_variance", "lambda": 0.5})
+    zero = tiny(
+        seed=0, model=model, regularizer={"kind": "locater", "lambda": 0.0, "target_mean": 1.0}
+    )
+    none = tiny(seed=0, model=model, regularizer={"kind": "none"})
+
+    # The naive formula, on the very fused model the runner steps: a NaN loss (which the
+    # runner would flag as a divergence).
+    naive = _overflowing_pair(zero, partner)
+    assert naive.fused is not None
+    w_q, w_k = naive.fused.qk_weights()
+    _, sym_sq = qk_sym_moments(w_q[0].float(), w_k[0].float())
+    assert torch.isinf(sym_sq).any()  # ||W_sym||_F^2 / D overflows float32
+    pen = naive.fused.penalties(["locater", "spectral_variance"], [1.0, 0.0])
+    assert not torch.isfinite(pen[0]) and torch.isfinite(pen[1])
+    batches = [m.task.train_batch(m.config.batch_size, m.data_gen) for m in naive.members]
+    x, y = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
+    loss = naive.forward(x, y)
+    assert torch.isfinite(loss).all()  # the loss itself is fine: only the penalty overflows
+    lams = torch.tensor([0.0, 0.5])
+    total = loss + lams * pen  # `loss + 0 * penalty` for member 0
+    assert torch.isnan(total[0]) and torch.isfinite(total[1])
+
+    # The runner's step: member 0 finite and equal to its no-regularizer twin, bit for bit.
+    outs, params = [], []
+    for first in (zero, none):
+        runner = _overflowing_pair(first, partner)
+        assert runner.fused is not None
+        batches = [m.task.train_batch(m.config.batch_size, m.data_gen) for m in runner.members]
+        outs.append(runner.train_step(batches, torch.ones(2, dtype=torch.bool)))
+        params.append([p.detach().clone() for p in runner.fused.parameters()])
+    got, twin = outs
+    assert not got.bad[0] and torch.isfinite(got.loss[0]) and torch.isfinite(got.grad_norm[0])
+    assert got.penalty is not None and got.penalty[0] == 0.0  # none computed for member 0
+    assert torch.equal(got.loss, twin.loss) and torch.equal(got.grad_norm, twin.grad_norm)
+    assert torch.equal(got.bad, twin.bad)
+    assert all(torch.isfinite(p).all() for p in params[0])
+    assert all(torch.equal(a, b) for a, b in zip(*params, strict=True))
 
 
 def test_engine_needs_a_free_slot() -> None:
