@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import select
@@ -46,6 +48,7 @@ __all__ = [
     "positions",
     "search_space",
     "set_axis",
+    "trial_rows",
     "trials_of",
     "values_of",
 ]
@@ -108,7 +111,7 @@ def finite(v: Any) -> Any:
     return v
 
 
-def collapse_class(t: Trial) -> str | None:
+def collapse_class(t: Any) -> str | None:
     """The trial's collapse class, or None while it has not been measured.
 
     Precedence: diverged, then both collapses, entropy collapse, rank collapse, then a
@@ -130,7 +133,7 @@ def collapse_class(t: Trial) -> str | None:
     return "healthy"
 
 
-def field_value(t: Trial, name: str) -> Any:
+def field_value(t: Any, name: str) -> Any:
     """A trial's value of `params.<path>`, a summary column or metric, a flag or a category."""
     if name.startswith("params."):
         return finite(t.params.get(name.removeprefix("params.")))
@@ -190,7 +193,7 @@ def objectives_of(study: Study) -> list[dict[str, str]]:
     return [{"metric": o["metric"], "direction": o.get("direction", "minimize")} for o in objs]
 
 
-def values_of(t: Trial) -> list[float | None]:
+def values_of(t: Any) -> list[float | None]:
     if t.values is not None:
         return [finite(float(v)) if v is not None else None for v in t.values]
     return [finite(t.value)]
@@ -201,6 +204,49 @@ def trials_of(session: Session, study: Study, states: tuple[str, ...] | None = N
     if states is not None:
         q = q.where(Trial.state.in_(states))
     return list(session.scalars(q.order_by(Trial.number)).all())
+
+
+# What every plot row carries: enough for values_of, collapse_class and the history.
+_ROW_COLUMNS = ("number", "state", "value", "values", "feasible") + FLAG_SUMMARIES
+
+
+def trial_rows(
+    session: Session,
+    study: Study,
+    fields: Iterable[str | None] = (),
+    states: tuple[str, ...] | None = None,
+) -> list[Any]:
+    """The study's trials by number, as plain rows holding only what a plot reads.
+
+    Each row has the attributes `collapse_class`, `field_value` and `values_of` use, for the
+    `fields` named (params.<path>, trial columns, summary metrics): `params` whole (a few
+    keys), and of the summary JSON only `status` and the metrics named, extracted by the
+    database. At 10,000 trials this is several times faster than loading ORM objects with every
+    column and the whole summary (its per-evaluation lists) of each trial.
+    """
+    cols: dict[str, Any] = {name: getattr(Trial, name) for name in _ROW_COLUMNS}
+    summary_keys = ["status"]
+    for name in fields:
+        if name is None or name in CATEGORY_FIELDS:
+            continue
+        if name.startswith("params."):
+            cols["params"] = Trial.params  # whole: a few keys, one JSON decode
+        elif name in TABLE_COLUMNS:
+            cols[name] = getattr(Trial, name)
+        elif name not in summary_keys:
+            summary_keys.append(name)
+    # JSON elements, decoded as JSON: numbers, strings and booleans keep their types.
+    summary = [Trial.summary[k].label(f"s{i}") for i, k in enumerate(summary_keys)]
+    q = select(*(c.label(n) for n, c in cols.items()), *summary)
+    q = q.where(Trial.study_id == study.id)
+    if states is not None:
+        q = q.where(Trial.state.in_(states))
+    out = []
+    for row in session.execute(q.order_by(Trial.number)).mappings():
+        t = SimpleNamespace(**{n: row[n] for n in cols})
+        t.summary = {k: row[f"s{i}"] for i, k in enumerate(summary_keys)}
+        out.append(t)
+    return out
 
 
 CLASS_STYLE: dict[str, tuple[str, str]] = {  # colour, marker

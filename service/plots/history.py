@@ -14,7 +14,7 @@ from service.plots.common import (
     PlotError,
     PlotOptions,
     objectives_of,
-    trials_of,
+    trial_rows,
     values_of,
 )
 
@@ -34,7 +34,7 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
     best: list[dict[str, Any]] = []
     current: float | None = None
-    for t in trials_of(session, study):
+    for t in trial_rows(session, study):
         vals = values_of(t)
         v = vals[i] if i < len(vals) else None
         if v is None:

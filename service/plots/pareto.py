@@ -15,7 +15,7 @@ from service.plots.common import (
     PlotError,
     PlotOptions,
     objectives_of,
-    trials_of,
+    trial_rows,
     values_of,
 )
 
@@ -55,7 +55,7 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
     directions = [ob["direction"] for ob in objs]
     complete = [
         t
-        for t in trials_of(session, study, (TrialState.COMPLETE,))
+        for t in trial_rows(session, study, (), (TrialState.COMPLETE,))
         if len(values_of(t)) == len(objs) and None not in values_of(t)
     ]
     cands = {

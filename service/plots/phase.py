@@ -23,7 +23,7 @@ from service.plots.common import (
     is_log,
     positions,
     set_axis,
-    trials_of,
+    trial_rows,
 )
 
 __all__ = ["KIND", "data", "draw"]
@@ -44,7 +44,7 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
     check_field(study, y, "y", numeric=False)
     points = []
     counts = dict.fromkeys(COLLAPSE_CLASSES, 0)
-    for t in trials_of(session, study, MEASURED):
+    for t in trial_rows(session, study, (x, y), MEASURED):
         cls = collapse_class(t)
         xv, yv = field_value(t, x), field_value(t, y)
         if cls is None or xv is None or yv is None:

@@ -22,7 +22,7 @@ from service.plots.common import (
     objectives_of,
     positions,
     set_axis,
-    trials_of,
+    trial_rows,
 )
 
 __all__ = ["KIND", "data", "draw"]
@@ -44,7 +44,7 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
     if color is not None:
         check_field(study, color, "color", numeric=False)
     points = []
-    for t in trials_of(session, study, MEASURED):
+    for t in trial_rows(session, study, (x, y, color), MEASURED):
         xv, yv = field_value(t, x), field_value(t, y)
         if xv is None or yv is None:
             continue
