@@ -281,7 +281,8 @@ class TrialSummary(BaseModel):
     min_norm_entropy_ever: float | None = None  # over every evaluation
     final_rank_ratio: float | None = None  # last layer, final evaluation, batch mean
     qk_eig_var: float | None = None  # mean over layers and heads, final evaluation
-    qk_eig_mean: float | None = None
+    qk_eig_mean: float | None = None  # tr(W)/D: with d_h < D, target_mean * d_h / D at best
+    qk_eig_mean_rank: float | None = None  # tr(W)/d_h, what a locater penalty holds at target
     entropy_collapse: bool = False
     rank_collapse: bool = False
     plateaus: list[tuple[int, int]] = Field(default_factory=list)

@@ -122,6 +122,7 @@ class _PointStats:
     rank_ratio: float | None  # last layer
     qk_eig_var: float | None  # mean over layers and heads
     qk_eig_mean: float | None
+    qk_eig_mean_rank: float | None
 
 
 def _point_stats(points: list[MetricPoint]) -> _PointStats:
@@ -142,6 +143,7 @@ def _point_stats(points: list[MetricPoint]) -> _PointStats:
         rank_ratio=_finite(ranks[-1].value) if ranks else None,
         qk_eig_var=mean_of("qk_eig_var"),
         qk_eig_mean=mean_of("qk_eig_mean"),
+        qk_eig_mean_rank=mean_of("qk_eig_mean_rank"),
     )
 
 
@@ -177,6 +179,7 @@ def summarize(
         s.min_norm_entropy_ever = _finite(min(hist.min_norm_entropies))
     s.final_rank_ratio = last.rank_ratio
     s.qk_eig_var, s.qk_eig_mean = last.qk_eig_var, last.qk_eig_mean
+    s.qk_eig_mean_rank = last.qk_eig_mean_rank
     s.entropy_collapse = (
         s.min_norm_entropy is not None and s.min_norm_entropy < config.entropy_collapse_threshold
     )

@@ -118,6 +118,9 @@ SUMMARIES: tuple[Summary, ...] = (
             "float", "qk_eig_var", "mean", "final", True, True, True),
     Summary("qk_eig_mean", "QK eigen-mean, mean over layers and heads, last evaluation",
             "float", "qk_eig_mean", "mean", "final", False, True, True),
+    Summary("qk_eig_mean_rank", "tr(W)/d_h (what target_mean holds), mean over layers and heads, "
+            "last evaluation",
+            "float", "qk_eig_mean_rank", "mean", "final", False, True, True),
     Summary("plateau_count", "validation-loss plateaus that training escaped",
             "int", "val_loss", "one", "plateaus", False, True, True),
     Summary("plateau_steps", "steps spent on escaped validation-loss plateaus",

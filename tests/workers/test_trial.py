@@ -168,6 +168,12 @@ def test_spectral_variance_penalty_lowers_qk_eigen_variance() -> None:
     final = rec1.at(30)
     per_head = [v for (name, _, _), v in final.items() if name == "qk_eig_var"]
     assert s1.qk_eig_var == pytest.approx(sum(per_head) / len(per_head), rel=1e-12)
+    # the mean over each head's rank, beside the D-mean: the mean of its per-head rows, and
+    # tr(W)/d_h = (tr(W)/D) * D/d_h head by head (tiny(): d_model 16, 2 heads of 8)
+    rank_means = [v for (name, _, _), v in final.items() if name == "qk_eig_mean_rank"]
+    assert s1.qk_eig_mean_rank == pytest.approx(sum(rank_means) / len(rank_means), rel=1e-12)
+    assert s1.qk_eig_mean is not None and s1.qk_eig_mean_rank is not None
+    assert s1.qk_eig_mean_rank == pytest.approx(s1.qk_eig_mean * 16 / 8, rel=1e-5, abs=1e-9)
     # the regularized run reports its penalty; the plain one does not
     assert ("reg_penalty", None, None) in final
     assert ("reg_penalty", None, None) not in rec0.at(30)
