@@ -47,7 +47,7 @@ def test_a_pruned_trial_frees_its_slot_while_the_others_train(
     r = client.post("/v1/studies", json=_pruning_spec(steps=600))
     assert r.status_code == 201, r.text
     sid = r.json()["id"]
-    seen_live = None  # (pruned trial, a trial that started before it and is still RUNNING)
+    seen_live = None  # (pruned trial, a trial that started before it, still RUNNING)
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
         items = client.get(f"/v1/studies/{sid}/trials", params={"limit": 100}).json()["items"]
@@ -57,7 +57,7 @@ def test_a_pruned_trial_frees_its_slot_while_the_others_train(
                 if (
                     q["state"] == "RUNNING"
                     and q["started_at"] is not None
-                    and _at(q, "started_at") < _at(p, "finished_at")
+                    and _at(q, "started_at") <= _at(p, "started_at")
                 ):
                     seen_live = (p["number"], q["number"])
         status = client.get(f"/v1/studies/{sid}").json()["status"]
@@ -82,6 +82,15 @@ def test_a_pruned_trial_frees_its_slot_while_the_others_train(
     ]
     assert refilled, [(t["number"], t["state"], t["started_at"], t["finished_at"]) for t in trials]
     check_finished_study(db_url, sid)  # each once, Optuna agrees, nothing past a stop
+    # Each member's own clock, not the worker's: a pruned member trained fewer steps in less
+    # time than the completed ones, and its tokens/s is its own steps over its own time.
+    for t in trials:
+        full = client.get(f"/v1/trials/{t['id']}").json()
+        s = full["summary"]
+        tokens = s["steps_done"] * 8 * 16  # batch_size x seq_len of wild_and_calm
+        assert s["tokens_per_s"] == pytest.approx(tokens / s["wall_time_s"], rel=0.02), t["number"]
+    done = [t for t in trials if t["state"] == "COMPLETE"]
+    assert max(t["duration_s"] for t in pruned) < min(t["duration_s"] for t in done)
 
 
 def _worker_pid(dashboard: str, name: str) -> int | None:
@@ -132,3 +141,52 @@ def test_a_killed_slot_worker_loses_nothing_and_revives_no_stopped_trial(
     for t in trials:
         if t.state == "DIVERGED":  # stopped before the kill, and stays stopped
             assert t.summary["steps_done"] < 20, (t.number, t.summary["steps_done"])
+
+
+def test_a_killed_slot_worker_revives_no_pruned_trial_and_asks_only_for_free_slots(
+    app_client: TestClient, db_url: str, ray_head: LocalRayHead
+) -> None:
+    """TPE (a sampler that learns from results, so no look-ahead) with the median pruner: at
+    no moment are more trials asked than the one worker has slots; once a trial was pruned,
+    the worker is SIGKILLed while others train. The pruned trials stay exactly as they were
+    (state, step, finish time); the interrupted ones resume and end once."""
+    client = app_client
+    spec = _pruning_spec(steps=480)
+    spec["sampler"] = {"kind": "tpe", "seed": 0, "n_startup_trials": 12}
+    spec["max_retries"] = 2
+    r = client.post("/v1/studies", json=spec)
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    name = f"study-{sid}/worker-0"
+    most_open = 0
+    pruned_before: dict[int, tuple[str, int, str]] = {}
+    victims: list[int] = []
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        items = client.get(f"/v1/studies/{sid}/trials", params={"limit": 100}).json()["items"]
+        most_open = max(most_open, sum(t["state"] in ("QUEUED", "RUNNING") for t in items))
+        if not victims:
+            pruned = [t for t in items if t["state"] == "PRUNED"]
+            training = [t for t in items if t["state"] == "RUNNING" and 40 <= t["last_step"] < 300]
+            if pruned and training and (pid := _worker_pid(ray_head.dashboard_url, name)):
+                pruned_before = {
+                    t["number"]: (t["state"], t["last_step"], t["finished_at"]) for t in pruned
+                }
+                os.kill(pid, signal.SIGKILL)
+                victims = [t["number"] for t in training]
+        if client.get(f"/v1/studies/{sid}").json()["status"] in ("COMPLETED", "FAILED"):
+            break
+        time.sleep(0.2)
+    assert victims, "never saw a pruned trial beside a training one"
+    final = wait_for(client, sid, {"COMPLETED", "FAILED"}, timeout=400)
+    assert final["status"] == "COMPLETED", final["error"]
+    assert 1 <= most_open <= 4, most_open  # parallelism 1 x fuse 4: never more asked
+    trials = check_finished_study(db_url, sid)
+    after = client.get(f"/v1/studies/{sid}/trials", params={"limit": 100}).json()["items"]
+    now = {t["number"]: (t["state"], t["last_step"], t["finished_at"]) for t in after}
+    for n, was in pruned_before.items():
+        assert now[n] == was, (n, was, now[n])
+    by_number = {t.number: t for t in trials}
+    for n in victims:
+        assert by_number[n].state in ("COMPLETE", "PRUNED"), (n, by_number[n].error)
+        assert by_number[n].attempts >= 2, (n, by_number[n].attempts)
