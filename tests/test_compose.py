@@ -433,3 +433,128 @@ def test_smoke_postgres_is_initialised_utf8() -> None:
     script = (ROOT / "docker" / "smoke" / "postgres-entrypoint.sh").read_text()
     initdb = script[script.index("initdb ") :].split(">/dev/null", 1)[0]
     assert "--encoding=UTF8" in initdb and "UTF-8" in initdb.split("--locale=", 1)[1]
+
+
+# --- scripts/compose-smoke's choices, without a Docker engine ------------------------------
+
+
+def load_smoke(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """scripts/compose-smoke as a module, its log under tmp_path, no image env set."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader(
+        "compose_smoke", str(ROOT / "scripts" / "compose-smoke")
+    )
+    spec = importlib.util.spec_from_loader("compose_smoke", loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    monkeypatch.setattr(mod, "SMOKE", tmp_path)
+    for name in ("QKSCOPE_BASE_IMAGE", "SMOKE_POSTGRES_IMAGE"):  # the script sets them
+        monkeypatch.setenv(name, "")  # recorded, so that the test's end restores them
+        monkeypatch.delenv(name)
+    return mod
+
+
+class FakeDocker:
+    """Stands in for the smoke script's `run`: records each command; `fails` names the
+    command prefixes that exit 1 (a missing image, a daemon that does not answer)."""
+
+    def __init__(self, fails: tuple[tuple[str, ...], ...] = ()) -> None:
+        self.fails = fails
+        self.cmds: list[list[str]] = []
+
+    def __call__(self, cmd: list[str], **kw: Any) -> Any:
+        import subprocess
+
+        self.cmds.append(list(cmd))
+        rc = 1 if any(tuple(cmd[: len(f)]) == f for f in self.fails) else 0
+        if rc and kw.get("check", True):
+            raise RuntimeError(f"{cmd} failed")
+        return subprocess.CompletedProcess(cmd, rc, stdout="Cannot connect\n" if rc else "")
+
+
+def test_smoke_postgres_does_not_assume_the_debian_image_a_given_base_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With QKSCOPE_BASE_IMAGE set, the base step never debootstraps; the PostgreSQL step
+    built FROM qkscope-smoke-debian:bookworm anyway and failed where that image was never
+    made. Now it makes the Debian image first, or says what to install or set."""
+    smoke = load_smoke(monkeypatch, tmp_path)
+    monkeypatch.setenv("QKSCOPE_BASE_IMAGE", "python:3.11-slim")
+    inspect = ("docker", "image", "inspect", smoke.DEBIAN_IMAGE)
+    docker = FakeDocker(fails=(inspect,))
+    monkeypatch.setattr(smoke, "run", docker)
+    monkeypatch.setattr(smoke.shutil, "which", lambda name, **kw: None)  # no debootstrap
+    assert "given" in smoke.base_image() and docker.cmds == []
+    with pytest.raises(smoke.SmokeError, match="debootstrap.*SMOKE_POSTGRES_IMAGE"):
+        smoke.postgres_image()
+    assert not any(c[:2] == ["docker", "build"] for c in docker.cmds), docker.cmds
+
+    # With debootstrap: the Debian image is made before PostgreSQL is built from it.
+    monkeypatch.setattr(smoke.shutil, "which", lambda name, **kw: f"/usr/sbin/{name}")
+    imported: list[list[str]] = []
+
+    class Tar:  # `tar -c` of the root file system, piped into `docker import`
+        stdout = None
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(smoke.subprocess, "Popen", lambda *a, **kw: Tar())
+    monkeypatch.setattr(smoke.subprocess, "run", lambda cmd, **kw: imported.append(cmd))
+    docker.cmds.clear()
+    smoke.postgres_image()
+    tools = [c[0] if c[0] != "docker" else " ".join(c[:2]) for c in docker.cmds]
+    assert tools.index("debootstrap") < tools.index("docker build"), docker.cmds
+    assert imported == [["docker", "import", "-", smoke.DEBIAN_IMAGE]]
+    assert f"DEBIAN_IMAGE={smoke.DEBIAN_IMAGE}" in docker.cmds[-1]
+
+
+def test_smoke_postgres_image_can_be_given(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    smoke = load_smoke(monkeypatch, tmp_path)
+    docker = FakeDocker()
+    monkeypatch.setattr(smoke, "run", docker)
+    monkeypatch.setenv("SMOKE_POSTGRES_IMAGE", "postgres:16")
+    assert smoke.postgres_image() == "postgres:16 (given)" and docker.cmds == []
+    assert smoke.Stack().env["SMOKE_POSTGRES_IMAGE"] == "postgres:16"
+    image = smoke_override()["services"]["postgres"]["image"]
+    assert REF.fullmatch(image)["name"] == "SMOKE_POSTGRES_IMAGE"  # type: ignore[index]
+    assert with_defaults(image) == smoke.POSTGRES_IMAGE
+
+
+def test_smoke_preflight_names_what_is_missing_and_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """It stopped at "neither docker compose nor docker-compose is installed" and said
+    nothing of the daemon or debootstrap; now it names all of them, with the fix."""
+    smoke = load_smoke(monkeypatch, tmp_path)
+    monkeypatch.setattr(smoke, "run", FakeDocker())
+    monkeypatch.setattr(smoke.shutil, "which", lambda name, **kw: None)
+    missing = smoke.missing_tools()
+    assert missing[-1] == "install: apt-get install -y docker.io docker-compose debootstrap"
+    assert any("docker compose" in m and "docker-compose" in m for m in missing)
+    with pytest.raises(smoke.SmokeError, match="not ready") as e:
+        smoke.preflight()
+    assert "apt-get install -y docker.io" in str(e.value)
+
+    # The CLI and compose are there but the daemon does not answer; no debootstrap.
+    present = {"docker", "docker-compose", "dockerd"}
+    monkeypatch.setattr(
+        smoke.shutil, "which", lambda name, **kw: f"/usr/bin/{name}" if name in present else None
+    )
+    monkeypatch.setattr(
+        smoke,
+        "run",
+        FakeDocker(fails=(("docker", "info"), ("docker", "compose"), ("docker", "image"))),
+    )
+    missing = smoke.missing_tools()
+    assert any("daemon does not answer" in m and "dockerd >" in m for m in missing), missing
+    assert not any("docker-compose`" in m for m in missing)  # docker-compose is there
+    assert missing[-1] == "install: apt-get install -y debootstrap"
+
+    # Both images given: no debootstrap needed.
+    monkeypatch.setenv("QKSCOPE_BASE_IMAGE", "python:3.11-slim")
+    monkeypatch.setenv("SMOKE_POSTGRES_IMAGE", "postgres:16")
+    assert not any("debootstrap" in m for m in smoke.missing_tools())
