@@ -4,15 +4,18 @@ The sequence a new user hit in one folder: `serve` running, a second `serve` sta
 which adopted the first one's head, failed to bind the API port and stopped the head on its
 way out; `qkscope stop` then found nothing, and studies sat PENDING without a word. Here: the
 second `serve` refuses before it touches anything and names the first; the first keeps
-working and `stop` finds it; a head that dies under a running `serve` is restarted; and while
-Ray's job server does not answer, a study says so in `waiting_reason` (API, client, CLI).
+working and `stop` finds it; a head that dies under a running `serve` is restarted, and when
+it cannot be, `serve` exits non-zero, loudly; and while Ray's job server does not answer, a
+study says so in `waiting_reason` (API, client, CLI).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -157,6 +160,80 @@ def test_serve_restarts_its_ray_head_when_it_dies(tmp_path: Path) -> None:
         assert serve.proc.wait(timeout=90) == 0
         assert not ray_left(ray)
     finally:
+        serve.kill()
+        if ray_left(ray):
+            qkscope("stop", env=env, cwd=tmp_path)
+
+
+class Squatter:
+    """Another program on 127.0.0.1:port: it listens (so `ray start` cannot bind there) and
+    closes every connection at once (a silent listener would hang the HTTP client that
+    waits for the head's job server)."""
+
+    def __init__(self, port: int, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:  # bound as soon as the port is free
+            self.sock = socket.socket()
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                self.sock.bind(("127.0.0.1", port))
+                self.sock.listen()
+                break
+            except OSError:
+                self.sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        threading.Thread(target=self._refuse, daemon=True).start()
+
+    def _refuse(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            conn.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+@pytest.mark.cluster
+def test_serve_exits_loudly_when_its_ray_head_cannot_be_restarted(tmp_path: Path) -> None:
+    """The whole head is killed and another program takes its dashboard port, so every
+    restart on the same ports fails (`ray start` refuses an occupied dashboard port): after
+    three failed restarts `serve` says why on stderr, exits non-zero and leaves no Ray behind.
+    """
+    api, ray, dash = free_port(), free_port(), free_port()
+    home = tmp_path / "home"
+    env = cli_env(home, f"http://127.0.0.1:{api}")
+    env["QKSCOPE_HEAD_CHECK_INTERVAL_S"] = "2"
+    serve = Serve(env, tmp_path, *serve_args(api, ray, dash), "--num-cpus", "1")
+    squatter = None
+    try:
+        serve.wait_for("qkscope API on")
+        head = json.loads((home / "ray-head.json").read_text())["pid"]
+        os.killpg(head, signal.SIGKILL)  # `ray start --block` leads the head's process group
+        squatter = Squatter(dash)
+        serve.wait_for(f"the local Ray head (pid {head}) died; restarting it", 30)
+        for n in (1, 2, 3):
+            serve.wait_for(f"restarting the local Ray head failed ({n})", 120)
+        assert serve.proc.wait(timeout=120) == 1
+        said = "".join(serve.lines)
+        assert "qkscope serve: the local Ray head died and 3 restarts failed" in said, said
+        assert str(home / "logs" / "ray-head.log") in said
+        assert "restarted the local Ray head" not in said
+        assert said.rstrip().splitlines()[-1].startswith("qkscope: the local Ray head died")
+        assert "Traceback" not in said
+        assert not ray_left(ray)
+        assert not (home / "serve.json").exists()  # the lock and record are released
+        stopped = qkscope("stop", env=env, cwd=tmp_path)
+        assert "nothing of qkscope's is running" in stopped.stdout, stopped
+    finally:
+        if squatter is not None:
+            squatter.close()
         serve.kill()
         if ray_left(ray):
             qkscope("stop", env=env, cwd=tmp_path)
