@@ -44,7 +44,7 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
     check_field(study, y, "y", numeric=False)
     points = []
     counts = dict.fromkeys(COLLAPSE_CLASSES, 0)
-    for t in trial_rows(session, study, (x, y), MEASURED):
+    for t in trial_rows(session, study, (x, y, "collapse_class"), MEASURED, objectives=False):
         cls = collapse_class(t)
         xv, yv = field_value(t, x), field_value(t, y)
         if cls is None or xv is None or yv is None:

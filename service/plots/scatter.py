@@ -44,7 +44,7 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
     if color is not None:
         check_field(study, color, "color", numeric=False)
     points = []
-    for t in trial_rows(session, study, (x, y, color), MEASURED):
+    for t in trial_rows(session, study, (x, y, color), MEASURED, objectives=False):
         xv, yv = field_value(t, x), field_value(t, y)
         if xv is None or yv is None:
             continue
