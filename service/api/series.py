@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Response
 from pydantic import BaseModel, Field
 
 from service.api.deps import SessionDep
@@ -59,10 +59,12 @@ def get_series(
     step_min: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     step_max: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = MAX_ROWS,
-) -> TrialSeriesOut:
+) -> TrialSeriesOut | Response:
     """The trial's metric rows (all names, or those of `name=`) grouped by (name, layer,
     head): what the web UI's heatmaps and curves draw. layer/head are null where the metric
     has none (docs/metrics.md says which)."""
+    # On PostgreSQL the database writes the series' JSON (queries.metric_series_json); on
+    # SQLite, or past `limit`, they are grouped here from the rows.
     if session.get(Trial, trial_id) is None:
         raise ApiError(404, "not_found", f"trial {trial_id} does not exist")
     if step_min is not None and step_max is not None and step_min > step_max:
@@ -72,6 +74,13 @@ def get_series(
             "step_min: greater than step_max",
             [FieldError(field="step_min", message="must be <= step_max")],
         )
+    grouped = queries.metric_series_json(
+        session, trial_id, names=name, step_min=step_min, step_max=step_max, limit=limit
+    )
+    if grouped is not None:  # PostgreSQL wrote the series (same shape, same order)
+        n, series_json = grouped
+        body = f'{{"trial_id":{trial_id},"rows":{n},"truncated":false,"series":{series_json}}}'
+        return Response(body, media_type="application/json")
     rows = queries.metric_series(
         session, trial_id, names=name, step_min=step_min, step_max=step_max, limit=limit + 1
     )

