@@ -1,8 +1,12 @@
 // Charts, drawn with Apache ECharts (vendored, loaded on first use so the studies list never
-// pays for it). Every chart registers itself in window.qkCharts by its element id, so the
-// browser tests and the benchmark can read what was really drawn.
+// pays for it), except the entropy heatmap (heatmap.js: one canvas image). Every chart
+// registers itself in window.qkCharts by its element id, so the browser tests and the
+// benchmark can read what was really drawn.
 
 import {h} from './dom.js';
+import {COLLAPSED} from './heatmap.js';
+
+export {COLLAPSED};
 
 let echartsPromise = null;
 export function loadECharts() {
@@ -15,9 +19,6 @@ const resizeObserver = new ResizeObserver((entries) => {
   for (const e of entries) window.qkCharts.get(e.target.id)?.resize();
 });
 
-export const COLLAPSED = '#d62728';
-// Healthy entropy, low to high (a sequential blue ramp); collapsed cells are COLLAPSED.
-const RAMP = ['#deebf7', '#9ecae1', '#6baed6', '#3182bd', '#08519c'];
 export const PALETTE = ['#1f77b4', '#ff7f0e', '#2ca02c', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f', '#bcbd22', '#17becf'];
 export const CLASS_COLOR = {
   healthy: '#2ca02c', entropy_collapse: '#ff7f0e', rank_collapse: '#9467bd', both: '#d62728',
@@ -43,6 +44,16 @@ export async function draw(el, option, {onClick = null, merge = false} = {}) {
   const t0 = performance.now();
   chart.setOption({animation: false, ...option}, {notMerge: !merge, lazyUpdate: false});
   performance.measure(`qk:draw:${el.id}`, {start: t0});  // what each chart costs (bench/ui.py)
+  return chart;
+}
+
+/** Register a chart drawn without ECharts (an object with resize, dispose, isDisposed and
+ *  getDom, like the heatmap): resized with the others, found by the tests by its id. */
+export function register(el, chart) {
+  const old = window.qkCharts.get(el.id);
+  if (old && old !== chart && !old.isDisposed()) old.dispose();
+  window.qkCharts.set(el.id, chart);
+  resizeObserver.observe(el);
   return chart;
 }
 
@@ -95,45 +106,5 @@ export function lineOption(series, {yName = '', log = false, markLines = [], mar
     yAxis: {type: log ? 'log' : 'value', name: yName, scale: true},
     dataZoom: [{type: 'inside', xAxisIndex: 0}],
     series: s,
-  };
-}
-
-/** The normalised-entropy heatmap: one cell per (layer, head, evaluation step) row.
- *  rows = [{layer, head, steps, values}]; cells below `threshold` are drawn COLLAPSED. */
-export function heatmapOption(rows, threshold) {
-  const steps = [...new Set(rows.flatMap((r) => r.steps))].sort((a, b) => a - b);
-  const col = new Map(steps.map((s, i) => [s, i]));
-  const labels = rows.map((r) => `L${r.layer} H${r.head}`);
-  const data = [];
-  rows.forEach((r, y) => {
-    r.steps.forEach((st, k) => {
-      const v = r.values[k];
-      data.push([col.get(st), y, v === null ? '-' : v]);
-    });
-  });
-  const span = (1 - threshold) / RAMP.length;
-  const pieces = [
-    {lt: threshold, color: COLLAPSED, label: `collapsed (< ${threshold})`},
-    ...RAMP.map((c, i) => ({
-      gte: threshold + i * span,
-      ...(i === RAMP.length - 1 ? {lte: 1.0000001} : {lt: threshold + (i + 1) * span}),
-      color: c,
-      label: `${(threshold + i * span).toFixed(2)}-${(threshold + (i + 1) * span).toFixed(2)}`,
-    })),
-  ];
-  return {
-    grid: {left: 64, right: 150, top: 12, bottom: 40},
-    tooltip: {
-      confine: true,
-      formatter: (p) => `${labels[p.value[1]]}, step ${steps[p.value[0]]}: ${typeof p.value[2] === 'number' ? p.value[2].toFixed(4) : 'n/a'}`,
-    },
-    xAxis: {type: 'category', data: steps, name: 'step', nameLocation: 'middle', nameGap: 26, splitArea: {show: false}},
-    yAxis: {type: 'category', data: labels, inverse: true},
-    visualMap: {
-      type: 'piecewise', dimension: 2, pieces, orient: 'vertical', right: 0, top: 'middle',
-      itemWidth: 14, itemHeight: 10, textStyle: {fontSize: 11},
-    },
-    dataZoom: [{type: 'inside', xAxisIndex: 0}],
-    series: [{type: 'heatmap', data, progressive: 0}],
   };
 }

@@ -1,5 +1,7 @@
 // Small DOM and formatting helpers shared by every page (no framework: the pages are small).
 
+import {AuthError} from './api.js';
+
 /** Create an element: h('a', {href: '#/'}, 'text', child, ...). Attributes starting with
  *  "on" are listeners; `dataset` and `style` objects are merged; null children are skipped. */
 export function h(tag, attrs = {}, ...children) {
@@ -80,13 +82,26 @@ export function fill(el, ...children) {
   return el;
 }
 
-/** Run `fn` every `ms` until the returned stop() is called; never two runs at once. */
-export function every(ms, fn) {
+/** Run `fn` every `ms` until the returned stop() is called; never two runs at once. A failed
+ *  run is logged and retried at the next tick, except a refused token (the API's 401: a
+ *  token revoked while the page is open): polling stops and `onAuthError` gets it, so the
+ *  page shows the token prompt instead of data that no longer updates. */
+export function every(ms, fn, onAuthError = null) {
   let stopped = false;
   let timer = null;
   const tick = async () => {
     if (stopped) return;
-    try { await fn(); } catch (e) { if (!stopped) console.warn('poll failed:', e.message || e); }
+    try {
+      await fn();
+    } catch (e) {
+      if (stopped) return;
+      if (e instanceof AuthError) {
+        stopped = true;
+        if (onAuthError) onAuthError(e); else throw e;  // app.js turns it into the prompt
+        return;
+      }
+      console.warn('poll failed:', e.message || e);
+    }
     if (!stopped) timer = setTimeout(tick, ms);
   };
   timer = setTimeout(tick, ms);

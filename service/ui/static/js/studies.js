@@ -40,7 +40,7 @@ export async function studiesPage(ctx) {
   }
 
   await load();
-  return every(POLL_MS, load);
+  return every(POLL_MS, load, ctx.onError);
 }
 
 function row(s, sum, config) {

@@ -46,10 +46,18 @@ async function trialId(studyId, number) {
 
 export async function studyPage(ctx, id) {
   const {view} = ctx;
+  const state = {sort: 'number', where: '', states: [], penalty: '', offset: 0, selected: new Set()};
+  const tableQuery = () => ({
+    sort: state.sort, where: state.where.split(/[;\n]/).map((s) => s.trim()).filter(Boolean),
+    state: state.states, penalty_version: state.penalty || null, limit: PAGE, offset: state.offset,
+  });
+  // The first screen's three calls at once (the table's first page does not need the study).
+  const firstPage = get(`/v1/studies/${id}/trials`, tableQuery());
+  const firstSummary = get(`/v1/studies/${id}/summary`);
+  for (const pending of [firstPage, firstSummary]) pending.catch(() => {});  // awaited below
   const study = await get(`/v1/studies/${id}`);
   const params = Object.keys(study.spec.search_space || {});
   const objectives = study.spec.objectives || [{metric: 'final_val_loss', direction: 'minimize'}];
-  const state = {sort: 'number', where: '', states: [], penalty: '', offset: 0, selected: new Set()};
 
   const title = h('h1', {}, `Study ${study.id}: ${study.name} `, h('span', {id: 'study-status'}));
   const summaryEl = h('div', {id: 'summary', class: 'cards'});
@@ -116,14 +124,10 @@ export async function studyPage(ctx, id) {
     return cols;
   }
 
-  async function loadTable() {
-    const where = state.where.split(/[;\n]/).map((s) => s.trim()).filter(Boolean);
+  async function loadTable(prefetched = null) {
     let page;
     try {
-      page = await get(`/v1/studies/${id}/trials`, {
-        sort: state.sort, where, state: state.states, penalty_version: state.penalty || null,
-        limit: PAGE, offset: state.offset,
-      });
+      page = await (prefetched || get(`/v1/studies/${id}/trials`, tableQuery()));
     } catch (e) {
       if (e instanceof ApiError) { fill(tableError, e.message); return; }
       throw e;
@@ -258,11 +262,13 @@ export async function studyPage(ctx, id) {
     });
   }
 
-  let last = await get(`/v1/studies/${id}/summary`);
+  let last = await firstSummary;
   renderSummary(last);
-  await loadTable();
+  await loadTable(firstPage);
   ctx.ready('study');
-  await loadECharts();  // after the table: compiling it would hold the table back
+  // ECharts (1.1 MB) only now: compiling it earlier would hold the table back. The charts'
+  // data is fetched while it compiles.
+  loadECharts();
   const charts = () => Promise.all([loadHistory(), loadPhase(), loadPareto()]);
   await charts();
   ctx.ready('studycharts');
@@ -286,7 +292,7 @@ export async function studyPage(ctx, id) {
       importanceAt = Date.now();
       loadImportance().catch(ctx.onError);
     }
-  });
+  }, ctx.onError);
 }
 
 function fieldOptions(params, selected) {
