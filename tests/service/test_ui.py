@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from service.config import Settings
 from service.db import migrate
 from service.db.models import Metric
 from service.db.session import make_engine
+from tests.conftest import free_port
 from tests.service import ui_seed
 from tests.service.conftest import live_api
 
@@ -95,6 +98,38 @@ def secured_site(
 ) -> Iterator[str]:
     """The same database served with API tokens configured."""
     yield from _serve(db[0], tmp_path_factory.mktemp("home"), TOKEN)
+
+
+class Server:
+    """The app on a given port, stoppable: a restart with other tokens is how an operator
+    revokes one (QKSCOPE_API_TOKENS is read at start)."""
+
+    def __init__(self, url: str, home: Path, tokens: str, port: int) -> None:
+        import uvicorn
+
+        from service.app import create_app
+
+        settings = Settings(
+            database_url=url, ray_address="http://127.0.0.1:8265", api_tokens=tokens, home=home
+        )
+        self.base = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(
+            create_app(settings, reconcile_loop=False),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
 
 
 class Page:
@@ -168,7 +203,9 @@ def test_every_page_loads_without_console_errors(
     rows = p.eval_on_selector_all(
         "#studies-body tr[data-study]", "rs => rs.map(r => r.dataset.study)"
     )
-    assert sorted(map(int, rows)) == sorted([seeded.finished_id, seeded.running_id])
+    listed = [st["id"] for st in api(page.base, "/v1/studies", limit=100)["items"]]
+    assert {seeded.finished_id, seeded.running_id, seeded.pareto_id} <= set(listed)
+    assert sorted(map(int, rows)) == sorted(listed)
     job = p.get_attribute(f"tr[data-study='{seeded.finished_id}'] td:last-child a", "href")
     assert job == f"http://127.0.0.1:8265/#/jobs/qkscope-study-{seeded.finished_id}-a1-000000"
     assert "13%" in p.inner_text(f"tr[data-study='{seeded.finished_id}']")  # entropy collapse
@@ -247,26 +284,17 @@ def test_heatmap_has_one_cell_per_stored_row_and_shows_the_collapsed_head(
             )
         ).all()
     p = page.open(f"#/trials/{tid}", "trial")
-    drawn = p.evaluate(
-        """id => {
-        const c = window.qkCharts.get(id), o = c.getOption(), d = c.getModel().getSeriesByIndex(0).getData();
-        return {
-          rows: o.yAxis[0].data, steps: o.xAxis[0].data,
-          cells: o.series[0].data.map((v, i) => [v[0], v[1], v[2], d.getItemVisual(i, 'style').fill]),
-        };
-    }""",
-        f"heatmap-{tid}",
-    )
-    cells = {
-        (drawn["rows"][y], int(drawn["steps"][x])): (value, color)
-        for x, y, value, color in drawn["cells"]
-    }
-    assert len(drawn["cells"]) == len(stored) == len(cells)  # one cell per row, no duplicates
+    # The heatmap is one canvas image with a pixel per stored row; cells() reads those
+    # pixels back, pixelAt() the scaled chart on screen.
+    heat = f"window.qkCharts.get('heatmap-{tid}')"
+    drawn = p.evaluate(f"() => {heat}.cells()")
+    cells = {(label, step): (value, color) for label, step, value, color in drawn}
+    assert len(drawn) == len(stored) == len(cells)  # one cell per row, no duplicates
     threshold = 0.1  # quickstart: base.entropy_collapse_threshold
     below = set()
     for lay, hd, step, value in stored:
         shown, color = cells[(f"L{lay} H{hd}", step)]
-        assert shown == pytest.approx(value)
+        assert shown == value
         assert (color.lower() == COLLAPSED_COLOR) == (value < threshold), (
             lay,
             hd,
@@ -277,9 +305,31 @@ def test_heatmap_has_one_cell_per_stored_row_and_shows_the_collapsed_head(
         if value < threshold:
             below.add((lay, hd, step))
     assert below == {(layer, head, s) for s in ui_seed.STEPS if s >= ui_seed.COLLAPSE_FROM}
-    assert p.get_attribute(f"#heatmap-{tid}", "data-collapsed") == f"L{layer} H{head}"
+    label = f"L{layer} H{head}"
+    on_screen = p.evaluate(
+        f"([l, s1, s2]) => [{heat}.pixelAt(l, s1), {heat}.pixelAt(l, s2)]",
+        [label, ui_seed.COLLAPSE_FROM, ui_seed.STEPS[0]],
+    )
+    assert on_screen[0] == COLLAPSED_COLOR and on_screen[1] != COLLAPSED_COLOR, on_screen
+    # Hovering a cell names it (the tooltip finds the cell from the mouse position).
+    box = p.locator(f"#heatmap-{tid} canvas").bounding_box()
+    xy = p.evaluate(
+        f"([r, c]) => {heat}.centre(r, c)",
+        [[f"L{lay} H{hd}" for lay in ui_seed.LAYERS for hd in ui_seed.HEADS].index(label),
+         ui_seed.STEPS.index(ui_seed.COLLAPSE_FROM)],
+    )  # fmt: skip
+    p.mouse.move(box["x"] + xy["x"], box["y"] + xy["y"])
+    value = cells[(label, ui_seed.COLLAPSE_FROM)][0]
+    tip = p.inner_text(f"#heatmap-{tid} .heat-tip")
+    assert tip == f"{label}, step {ui_seed.COLLAPSE_FROM}: {value:.4f}"
+    assert p.get_attribute(f"#heatmap-{tid}", "data-collapsed") == label
     note = p.inner_text(f"#collapsed-{tid}")
-    assert f"L{layer} H{head} (from step {ui_seed.COLLAPSE_FROM}" in note and "0.1" in note
+    assert f"{label} (from step {ui_seed.COLLAPSE_FROM}" in note and "0.1" in note
+    # Per-head QK curves: every head (4 here), or the heads of the layer picked.
+    heads = f"() => window.qkCharts.get('eigmean-{tid}').getOption().series.map(s => s.name)"
+    assert p.evaluate(heads) == ["L1 H0", "L1 H1", "L2 H0", "L2 H1"]
+    p.select_option(f"#heads-layer-{tid}", "2")
+    p.wait_for_function(f"() => ({heads})().join() === 'L2 H0,L2 H1'", timeout=WAIT_MS)
     assert page.errors == [], page.errors
 
 
@@ -347,29 +397,233 @@ def test_with_tokens_no_data_without_a_valid_token(
         page.close()
 
 
-def test_the_series_route_groups_what_metrics_returns(
-    site: str, db: tuple[str, Engine, ui_seed.Seeded]
+def test_the_series_route_groups_what_metrics_returns(db_url: str, tmp_path: Path) -> None:
+    """What the heatmap reads: /series is /metrics regrouped (same rows, same order, the same
+    doubles), on SQLite (grouped in Python) and PostgreSQL (grouped by the database)."""
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+    from service.db.ingest import insert_metrics
+
+    migrate.upgrade(db_url)
+    engine = make_engine(db_url)
+    try:
+        sid = ui_seed.add_study(engine, "series")
+        tid = ui_seed.add_trial(engine, sid, 0, "COMPLETE", ui_seed.STEPS)
+        odd = [None, 1e-300, 0.1, 1 / 3, 123456789.123456, -2.5e10, 5e-324]
+        with Session(engine) as s:
+            insert_metrics(s, [{"trial_id": tid, "name": "lr", "step": 1000 + i, "value": v}
+                               for i, v in enumerate(odd)])  # fmt: skip
+            s.commit()
+            stored = s.scalar(
+                select(func.count()).select_from(Metric).where(Metric.trial_id == tid)
+            )
+        settings = Settings(database_url=db_url, ray_address="", api_tokens="", home=tmp_path)
+        with TestClient(create_app(settings, reconcile_loop=False)) as c:
+
+            def get(path: str, **params: Any) -> Any:
+                r = c.get(path, params=params)
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            rows = get(f"/v1/trials/{tid}/metrics", limit=100_000)
+            assert len(rows) == stored
+            grouped = get(f"/v1/trials/{tid}/series")
+            assert grouped["trial_id"] == tid
+            assert grouped["rows"] == len(rows) and not grouped["truncated"]
+            flat = [
+                {"name": s["name"], "layer": s["layer"], "head": s["head"], "step": st, "value": v}
+                for s in grouped["series"]
+                for st, v in zip(s["steps"], s["values"], strict=True)
+            ]
+            assert flat == rows
+            lr = [r["value"] for r in rows if r["name"] == "lr" and r["step"] >= 1000]
+            assert lr == odd  # exact doubles, null kept
+            one = get(
+                f"/v1/trials/{tid}/series",
+                name=["rank_ratio", "val_loss"],
+                step_min=100,
+                step_max=200,
+            )
+            assert [(s["name"], s["layer"], s["steps"]) for s in one["series"]] == [
+                *(("rank_ratio", ly, [100, 150, 200]) for ly in (0, 1, 2)),
+                ("val_loss", None, [100, 150, 200]),
+            ]
+            assert one["rows"] == 12
+            cut = get(f"/v1/trials/{tid}/series", limit=10)
+            assert cut["truncated"] is True and cut["rows"] == 10
+            assert sum(len(s["steps"]) for s in cut["series"]) == 10
+            assert c.get("/v1/trials/999999/series").status_code == 404
+            r = c.get(f"/v1/trials/{tid}/series", params={"step_min": 5, "step_max": 1})
+            assert r.status_code == 422 and r.json()["errors"][0]["field"] == "step_min"
+    finally:
+        engine.dispose()
+
+
+def chart_point_xy(p: Any, chart_id: str, series: int, index: int) -> tuple[float, float]:
+    """Page coordinates of one drawn data point of an ECharts chart."""
+    xy = p.evaluate(
+        """([id, s, i]) => {
+        const c = window.qkCharts.get(id);
+        return c.convertToPixel({seriesIndex: s}, c.getOption().series[s].data[i].slice(0, 2));
+    }""",
+        [chart_id, series, index],
+    )
+    box = p.locator(f"#{chart_id}").bounding_box()
+    return box["x"] + xy[0], box["y"] + xy[1]
+
+
+def test_clicking_a_phase_map_point_opens_its_trial(
+    page: Page, db: tuple[str, Engine, ui_seed.Seeded]
 ) -> None:
-    """What the heatmap reads: /series is /metrics regrouped (same rows, same order)."""
-    tid = db[2].trial_ids[0]
-    rows = api(site, f"/v1/trials/{tid}/metrics")
-    grouped = api(site, f"/v1/trials/{tid}/series")
-    assert grouped["rows"] == len(rows) and not grouped["truncated"]
-    flat = [
-        {"name": s["name"], "layer": s["layer"], "head": s["head"], "step": st, "value": v}
-        for s in grouped["series"]
-        for st, v in zip(s["steps"], s["values"], strict=True)
+    seeded = db[2]
+    sid = seeded.finished_id
+    p = page.open(f"#/studies/{sid}", "study")
+    p.wait_for_selector("html[data-readystudycharts]", state="attached", timeout=WAIT_MS)
+    chart = f"phase-{sid}"
+    # Every point drawn, as (series, index, trial number, pixel); click the one farthest
+    # from its neighbours so that no other symbol is under the mouse.
+    series = p.evaluate(
+        f"() => window.qkCharts.get('{chart}').getOption().series.map(s => s.data.map(d => d[3]))"
+    )
+    points = [
+        (si, i, number, chart_point_xy(p, chart, si, i))
+        for si, numbers in enumerate(series)
+        for i, number in enumerate(numbers)
     ]
-    assert flat == rows
-    one = api(site, f"/v1/trials/{tid}/series", name="rank_ratio", step_min=100, step_max=200)
-    assert [(s["layer"], s["steps"]) for s in one["series"]] == [
-        (ly, [100, 150, 200]) for ly in (0, 1, 2)
-    ]
-    assert httpx.get(f"{site}/v1/trials/999999/series").status_code == 404
-    r = httpx.get(f"{site}/v1/trials/{tid}/series", params={"step_min": 5, "step_max": 1})
-    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "step_min"
-    assert api(site, f"/v1/trials/{tid}/series", limit=10)["truncated"] is True
-    with Session(db[1]) as s:
-        assert s.scalar(
-            select(func.count()).select_from(Metric).where(Metric.trial_id == tid)
-        ) == len(rows)
+    assert sorted(pt[2] for pt in points) == list(range(8))
+
+    def room(pt: Any) -> float:
+        return min(
+            (pt[3][0] - q[3][0]) ** 2 + (pt[3][1] - q[3][1]) ** 2 for q in points if q is not pt
+        )
+
+    _, _, number, (x, y) = max(points, key=room)
+    p.mouse.click(x, y)
+    tid = seeded.trial_ids[number]
+    p.wait_for_function(f"() => location.hash === '#/trials/{tid}'", timeout=WAIT_MS)
+    p.wait_for_selector("html[data-readytrial]", state="attached", timeout=WAIT_MS)
+    assert f"/ trial {number}" in p.inner_text(f"#trial-{tid} .trial-title")
+    assert page.errors == [], page.errors
+
+
+def test_a_two_objective_study_shows_its_pareto_front(
+    page: Page, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    seeded = db[2]
+    sid = seeded.pareto_id
+    p = page.open(f"#/studies/{sid}", "study")
+    p.wait_for_selector("html[data-readystudycharts]", state="attached", timeout=WAIT_MS)
+    drawn = p.evaluate(
+        f"""() => Object.fromEntries(window.qkCharts.get('pareto-{sid}').getOption().series
+        .map(s => [s.name, s.data.map(d => d[2])]))"""
+    )
+    # The front computed here from the seeded values: feasible trials no other feasible
+    # trial beats on both objectives (loss down, entropy up).
+    feasible = {n: v for n, v in seeded.pareto_values.items() if v[2]}
+    front = {
+        n
+        for n, (loss, ent, _) in feasible.items()
+        if not any(
+            lo <= loss and en >= ent and (lo, en) != (loss, ent) for lo, en, _ in feasible.values()
+        )
+    }
+    assert 1 < len(front) < len(feasible)
+    assert sorted(drawn["Pareto front"]) == sorted(front)
+    assert sorted(drawn["dominated"]) == sorted(set(seeded.pareto_values) - front)
+    assert page.errors == [], page.errors
+
+
+def test_the_importance_panel_draws_what_the_importance_route_answers(
+    page: Page, site: str, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    sid = db[2].finished_id
+    p = page.open(f"#/studies/{sid}", "study")
+    chart = f"importance-{sid}"
+    bars = (
+        f"() => {{ const c = window.qkCharts.get('{chart}'); const o = c && c.getOption();"
+        " return o && o.series.length ? [o.yAxis[0].data, o.series[0].data] : null; }"
+    )
+    p.wait_for_function(bars, timeout=WAIT_MS)
+    names, values = p.evaluate(bars)
+    want = api(site, f"/v1/studies/{sid}/importance")
+    assert want["n_trials"] == 8
+    assert names == list(reversed(want["importances"]))  # largest at the top
+    assert values == pytest.approx(list(reversed(want["importances"].values())))
+    assert set(names) == {"regularizer.lambda", "model.qk_init_std"}
+    assert page.errors == [], page.errors
+
+
+def test_the_trial_table_pages_as_the_api_orders_trials(
+    page: Page, site: str, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    sid = db[2].pareto_id
+    n = ui_seed.PARETO_TRIALS
+    p = page.open(f"#/studies/{sid}", "study")
+    assert numbers_shown(p) == list(range(50))
+    assert p.inner_text("#trials-info") == f"1-50 of {n}"
+
+    def expected(**params: Any) -> list[int]:
+        items = api(site, f"/v1/studies/{sid}/trials", limit=50, **params)["items"]
+        return [t["number"] for t in items]
+
+    p.click("#trials th[data-sort='min_norm_entropy']")  # sorted, then the second page
+    wait_numbers(p, expected(sort="min_norm_entropy", offset=0))
+    p.click(".pager button:has-text('next')")
+    second = expected(sort="min_norm_entropy", offset=50)
+    assert len(second) == n - 50
+    wait_numbers(p, second)
+    assert p.inner_text("#trials-info") == f"51-{n} of {n}"
+    assert p.is_disabled(".pager button:has-text('next')")
+    p.click(".pager button:has-text('previous')")
+    wait_numbers(p, expected(sort="min_norm_entropy", offset=0))
+    assert page.errors == [], page.errors
+
+
+def test_the_studies_page_follows_a_study_without_reload(
+    page: Page, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    engine = db[1]
+    sid = ui_seed.add_study(engine, "quickstart-live")  # PENDING, nothing run yet
+    p = page.open("#/", "studies")
+    row = f"#studies-body tr[data-study='{sid}']"
+    assert "PENDING" in p.inner_text(row) and "0/8" in p.inner_text(row)
+    # The runner starts it and a first trial finishes: the row follows (polled).
+    ui_seed.set_study(engine, sid, status="RUNNING", ray_job_id=f"qkscope-study-{sid}-a1-222222")
+    ui_seed.add_bare_trials(engine, sid, range(1))
+    p.wait_for_function(
+        f"""() => {{ const t = document.querySelector("{row}").textContent;
+        return t.includes('RUNNING') && t.includes('1/8') && t.includes('-222222'); }}""",
+        timeout=WAIT_MS,
+    )
+    assert p.get_attribute(f"{row} progress", "value") == "0.125"
+    assert page.errors == [], page.errors
+
+
+def test_a_token_revoked_while_a_page_polls_shows_the_prompt_not_stale_data(
+    browser: Any, db: tuple[str, Engine, ui_seed.Seeded], tmp_path: Path
+) -> None:
+    """The server restarts with the page's token no longer in QKSCOPE_API_TOKENS: the next
+    poll is refused, and the page drops its data for the token prompt."""
+    url, _, seeded = db
+    port = free_port()
+    server = Server(url, tmp_path, TOKEN, port)
+    page = Page(browser, server.base)
+    try:
+        p = page.open(f"#/studies/{seeded.running_id}", None)  # RUNNING: the summary is polled
+        p.fill("#token", TOKEN)
+        p.click(".token-form button[type=submit]")
+        p.wait_for_selector("html[data-readystudy]", state="attached", timeout=WAIT_MS)
+        assert numbers_shown(p) != []
+        server.stop()
+        server = Server(url, tmp_path, "another-token", port)
+        p.wait_for_selector(".token-form", timeout=WAIT_MS)
+        assert "not accepted" in p.inner_text("#auth-message")
+        assert p.locator("#trials, #summary, .trial-col").count() == 0
+        assert p.evaluate("() => sessionStorage.getItem('qkscope.token')") is None
+        # What the browser logs: the 401, and refused connections while the server restarted.
+        assert all(re.search(r"status of 401|ERR_CONNECTION", e) for e in page.errors), page.errors
+        assert any("status of 401" in e for e in page.errors)
+    finally:
+        page.close()
+        server.stop()

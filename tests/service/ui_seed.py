@@ -6,10 +6,15 @@ The finished study is study_defs/quickstart.yaml itself (2 layers x 2 heads, eva
 50 of 400 steps), with eight COMPLETE trials whose numbers follow a seeded pattern; trial 0
 has one head (layer 2, head 1) whose normalised entropy falls below the collapse threshold
 from step 200 on, and a trapped final plateau.
+
+A third, finished study has two objectives (final_val_loss down, min_norm_entropy up) and
+PARETO_TRIALS COMPLETE trials without metric rows: more than one page of the trial table,
+and a Pareto front to draw.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -17,7 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+import yaml
+from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.orm import Session
 
 from service.db.ingest import insert_metrics
@@ -33,6 +39,11 @@ HEADS = (0, 1)
 STEPS = tuple(range(50, 401, 50))
 COLLAPSED = (0, 2, 1)  # (trial number, layer, head) whose entropy collapses
 COLLAPSE_FROM = 200
+PARETO_TRIALS = 60  # the trial table shows 50 a page
+PARETO_OBJECTIVES = [
+    {"metric": "final_val_loss", "direction": "minimize"},
+    {"metric": "min_norm_entropy", "direction": "maximize"},
+]
 
 
 @dataclass
@@ -41,6 +52,8 @@ class Seeded:
     running_id: int
     trial_ids: dict[int, int]  # number -> id, finished study
     running_trial_ids: dict[int, int]
+    pareto_id: int  # the two-objective study
+    pareto_values: dict[int, tuple[float, float, bool]]  # number -> (loss, entropy, feasible)
 
 
 def eval_rows(
@@ -148,6 +161,51 @@ def add_metrics(engine: Engine, trial_id: int, number: int, steps: tuple[int, ..
         s.commit()
 
 
+def add_study(
+    engine: Engine,
+    name: str,
+    status: str = "PENDING",
+    objectives: list[dict[str, str]] | None = None,
+    n_trials: int | None = None,
+) -> int:
+    """A study of the quickstart's definition (renamed; other objectives and budget if
+    given); its id."""
+    raw = yaml.safe_load(QUICKSTART.read_text())
+    raw["name"] = name
+    if objectives is not None:
+        raw["objectives"] = objectives
+    if n_trials is not None:
+        raw["budget"]["n_trials"] = n_trials
+    study, _ = create_study(make_sessionmaker(engine), parse_spec(json.dumps(raw).encode(), "json"))
+    if status != "PENDING":
+        set_study(engine, study.id, status=status)
+    return int(study.id)
+
+
+def set_study(engine: Engine, study_id: int, **values: Any) -> None:
+    with Session(engine) as s:
+        s.execute(update(Study).where(Study.id == study_id).values(**values))
+        s.commit()
+
+
+def add_bare_trials(
+    engine: Engine, study_id: int, numbers: range, objectives: int = 1
+) -> dict[int, tuple[float, float, bool]]:
+    """COMPLETE trials without metric rows (one INSERT); number -> (loss, entropy, feasible)."""
+    out: dict[int, tuple[float, float, bool]] = {}
+    rows = []
+    for n in numbers:
+        row = trial_row(study_id, n, "COMPLETE", random.Random(1000 + n))
+        if objectives == 2:
+            row["values"] = [row["final_val_loss"], row["min_norm_entropy"]]
+        rows.append(row)
+        out[n] = (row["final_val_loss"], row["min_norm_entropy"], row["feasible"])
+    with Session(engine) as s:
+        s.execute(insert(Trial), rows)
+        s.commit()
+    return out
+
+
 def seed(engine: Engine) -> Seeded:
     """The finished quickstart-like study and a running one (two RUNNING trials)."""
     sessions = make_sessionmaker(engine)
@@ -173,4 +231,6 @@ def seed(engine: Engine) -> Seeded:
     run_ids = {n: add_trial(engine, running.id, n, "RUNNING", STEPS[:2]) for n in range(2)}
     with Session(engine) as s:
         assert s.scalar(select(Trial.id).where(Trial.id == ids[0])) is not None
-    return Seeded(finished.id, running.id, ids, run_ids)
+    pareto = add_study(engine, "quickstart-pareto", "COMPLETED", PARETO_OBJECTIVES, PARETO_TRIALS)
+    values = add_bare_trials(engine, pareto, range(PARETO_TRIALS), objectives=2)
+    return Seeded(finished.id, running.id, ids, run_ids, pareto, values)
