@@ -246,14 +246,30 @@ class LocalRayHead:
         self.state_path.unlink(missing_ok=True)
 
 
+JOB_SERVER_TIMEOUT_S = 30.0  # one request to Ray's job server, the connection check included
+
+
+def _job_client(address: str, timeout_s: float) -> Any:
+    """Ray's job client with a time limit on every request: its own requests have none, so a
+    port that accepts connections and never answers (a wedged or half-started dashboard)
+    would hang `serve`, a head restart and the API's reconciler for ever. Ray is pinned
+    (pyproject.toml), and `_do_request` is where all of its requests go."""
+    from ray.job_submission import JobSubmissionClient
+
+    class _TimedClient(JobSubmissionClient):  # type: ignore[misc]
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            kwargs.setdefault("timeout", timeout_s)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return _TimedClient(address)
+
+
 class JobLauncher:
     """Ray Job Submission API for study jobs (the Ray token comes from the environment)."""
 
-    def __init__(self, address: str) -> None:
-        from ray.job_submission import JobSubmissionClient
-
+    def __init__(self, address: str, timeout_s: float = JOB_SERVER_TIMEOUT_S) -> None:
         self.address = address
-        self._client = JobSubmissionClient(address)
+        self._client = _job_client(address, timeout_s)
 
     def submit_study(self, study_id: int, attempt: int, env: dict[str, str]) -> str:
         job_id = job_id_for(study_id, attempt)

@@ -302,3 +302,43 @@ def test_unreachable_reason_is_cleared_and_runner_reasons_are_kept(db_url: str) 
     assert gpu == "no alive node has gpus: 1" and done is None
     mark_ray_reachable(sessions)
     assert reasons() == [None, "no alive node has gpus: 1", None]
+
+
+def test_a_job_server_that_never_answers_is_an_error_not_a_hang() -> None:
+    """A port that accepts connections and never answers (a wedged dashboard): the job client
+    gives up after its time limit instead of hanging `serve` or the reconciler for ever."""
+    import socket
+    import threading
+
+    from service.ray_cluster import JobLauncher
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept_and_say_nothing() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    t = threading.Thread(target=accept_and_say_nothing, daemon=True)
+    t.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(Exception) as err:
+            JobLauncher(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=1.0)
+        assert time.monotonic() - started < 30, "the job client waited far past its limit"
+        assert (
+            "timed out" in str(err.value).lower() or "timeout" in type(err.value).__name__.lower()
+        )
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        listener.close()
