@@ -627,3 +627,24 @@ def test_a_token_revoked_while_a_page_polls_shows_the_prompt_not_stale_data(
     finally:
         page.close()
         server.stop()
+
+
+def test_a_large_study_ranks_by_ped_anova_and_computes_fanova_on_request(
+    page: Page, site: str, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    """Past 200 COMPLETE trials fANOVA costs the server seconds to minutes: the panel shows
+    PED-ANOVA and offers fANOVA."""
+    engine = db[1]
+    sid = ui_seed.add_study(engine, "quickstart-large", "COMPLETED", n_trials=201)
+    ui_seed.add_bare_trials(engine, sid, range(201))
+    p = page.open(f"#/studies/{sid}", "importance")
+    chart = f"window.qkCharts.get('importance-{sid}').getOption()"
+    assert p.evaluate(f"() => {chart}.title[0].text") == "final_val_loss (ped_anova, 201 trials)"
+    want = api(site, f"/v1/studies/{sid}/importance", evaluator="ped_anova")["importances"]
+    assert p.evaluate(f"() => {chart}.yAxis[0].data") == list(reversed(want))
+    p.click(f"#importance-fanova-{sid}")
+    p.wait_for_function(
+        f"() => {chart}.title[0].text === 'final_val_loss (fanova, 201 trials)'", timeout=60_000
+    )
+    assert p.inner_text(f"#importance-note-{sid}") == ""
+    assert page.errors == [], page.errors
