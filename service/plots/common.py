@@ -248,11 +248,17 @@ def trial_rows(
             cols[name] = getattr(Trial, name)
         elif name not in summary_keys:
             summary_keys.append(name)
-    # Summary elements as JSON text ("null" where missing): numbers keep int or float.
+    # Summary elements as JSON text ("null" where missing): numbers keep int or float; the
+    # status (a string) as text.
     q = select(
         *(c.label(n) for n, c in cols.items()),
         *(cast(getattr(Trial, n), Text).label(n) for n in text_cols),
-        *(cast(Trial.summary[k], Text).label(f"s{i}") for i, k in enumerate(summary_keys)),
+        *(
+            (Trial.summary[k].as_string() if k == "status" else cast(Trial.summary[k], Text)).label(
+                f"s{i}"
+            )
+            for i, k in enumerate(summary_keys)
+        ),
     ).where(Trial.study_id == study.id)
     if states is not None:
         q = q.where(Trial.state.in_(states))
@@ -266,7 +272,10 @@ def trial_rows(
         t = SimpleNamespace(**dict(zip(names, row[:k], strict=True)))
         for n, v in zip(text_cols, row[k:j], strict=True):
             setattr(t, n, decode(v))
-        t.summary = {key: decode(v) for key, v in zip(summary_keys, row[j:], strict=True)}
+        t.summary = {
+            key: v if key == "status" else decode(v)
+            for key, v in zip(summary_keys, row[j:], strict=True)
+        }
         out.append(t)
     return out
 
