@@ -68,6 +68,7 @@ def summary_of(d: dict[str, Any]) -> dict[str, Any] | None:
         "final_rank_ratio": 0.25 + n / 16,
         "qk_eig_var": 0.001 * (n + 1),
         "qk_eig_mean": -0.5 + n,
+        "qk_eig_mean_rank": -1.0 + 2 * n,
         "plateau_count": n,
         "plateau_steps": 10 * n,
         "longest_plateau": 5 * n,
@@ -163,8 +164,8 @@ FIXED_COLUMNS = [
     "study_id", "trial_id", "number", "state", "value", "feasible", "seed", "attempts", "node",
     "last_step", "penalty_version", "metric_rows", "started_at", "finished_at", "duration_s", "error", "status",
     "final_val_loss", "best_val_loss", "final_train_loss", "min_norm_entropy",
-    "min_norm_entropy_ever", "final_rank_ratio", "qk_eig_var", "qk_eig_mean", "plateau_count",
-    "plateau_steps", "longest_plateau", "entropy_collapse", "rank_collapse", "trapped",
+    "min_norm_entropy_ever", "final_rank_ratio", "qk_eig_var", "qk_eig_mean", "qk_eig_mean_rank",
+    "plateau_count", "plateau_steps", "longest_plateau", "entropy_collapse", "rank_collapse", "trapped",
     "init_val_loss", "init_min_norm_entropy", "init_rank_ratio", "init_qk_eig_var",
     "collapse_class",
 ]  # fmt: skip
