@@ -158,6 +158,29 @@ def list_trials(
     return [by_id[i] for i in ids], int(page[0][1])
 
 
+def _series_filter(
+    trial_id: int,
+    names: list[str] | None,
+    layer: int | None,
+    head: int | None,
+    step_min: int | None,
+    step_max: int | None,
+) -> list[ColumnElement[bool]]:
+    """The WHERE of a trial's metric rows, by the /series and /metrics query parameters."""
+    where = [Metric.trial_id == trial_id]
+    if names:
+        where.append(Metric.name.in_(names))
+    if layer is not None:
+        where.append(Metric.layer == layer)
+    if head is not None:
+        where.append(Metric.head == head)
+    if step_min is not None:
+        where.append(Metric.step >= step_min)
+    if step_max is not None:
+        where.append(Metric.step <= step_max)
+    return where
+
+
 def metric_series(
     s: Session,
     trial_id: int,
@@ -175,19 +198,8 @@ def metric_series(
     objects: a series is thousands of rows, and building (and garbage-collecting) an
     identity-mapped entity for each roughly doubled the time of a 1,000-row read.
     """
-    q = select(Metric.name, Metric.layer, Metric.head, Metric.step, Metric.value).where(
-        Metric.trial_id == trial_id
-    )
-    if names:
-        q = q.where(Metric.name.in_(names))
-    if layer is not None:
-        q = q.where(Metric.layer == layer)
-    if head is not None:
-        q = q.where(Metric.head == head)
-    if step_min is not None:
-        q = q.where(Metric.step >= step_min)
-    if step_max is not None:
-        q = q.where(Metric.step <= step_max)
+    where = _series_filter(trial_id, names, layer, head, step_min, step_max)
+    q = select(Metric.name, Metric.layer, Metric.head, Metric.step, Metric.value).where(*where)
     q = q.order_by(Metric.name, Metric.layer, Metric.head, Metric.step).limit(limit)
     return list(s.execute(q).all())
 
@@ -219,13 +231,7 @@ def metric_series_json(
         func.count(),
         func.json_agg(aggregate_order_by(Metric.step, Metric.step)).cast(Text),
         func.json_agg(aggregate_order_by(Metric.value, Metric.step)).cast(Text),
-    ).where(Metric.trial_id == trial_id)
-    if names:
-        q = q.where(Metric.name.in_(names))
-    if step_min is not None:
-        q = q.where(Metric.step >= step_min)
-    if step_max is not None:
-        q = q.where(Metric.step <= step_max)
+    ).where(*_series_filter(trial_id, names, None, None, step_min, step_max))
     q = q.group_by(Metric.name, Metric.layer, Metric.head)
     q = q.order_by(Metric.name, Metric.layer, Metric.head)
     groups = s.execute(q).all()
