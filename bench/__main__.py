@@ -26,6 +26,7 @@ BENCHES = [
     "load",
     "startup",
     "ui",
+    "head_restart",
 ]
 EXTRA = {"train_throughput": ["--threads", "1"]}  # the README's figures use one thread
 
