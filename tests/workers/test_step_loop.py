@@ -18,28 +18,53 @@ from workers.tasks import build_task
 from workers.trial import NAN_CHECK_EVERY, build_model, run_trial
 
 WILD: dict[str, Any] = {"name": "sgd", "lr": 10.0, "grad_clip": None, "schedule": "constant"}
+# Divergence by arithmetic, not by chaos (plain SGD at lr 10 overflows at a step that the
+# CPU's kernels can move by one; tests/workers/test_fused.py): a LocAteR-style penalty that
+# pulls every eigenvalue towards 1e3 with lambda 1e6 is 1e6 at step 1, ~6e24 at step 2 and
+# overflows at step 3 on any machine, alone and fused.
+WILD_REG: dict[str, Any] = {"kind": "locater", "lambda": 1e6, "target_mean": 1e3}
+
+
+def _locater(model: torch.nn.Module, target: float) -> torch.Tensor:
+    """The penalty from the explicit W = w_q^T w_k / sqrt(d_h) of every head (METRICS.md 4):
+    the mean over the D eigenvalues of W_sym of (lambda_i - t)^2, mean over layers and heads."""
+    pens = []
+    for block in model.blocks:  # type: ignore[union-attr]
+        attn = block.attn
+        h, dh = attn.n_heads, attn.d_head
+        wq = attn.q_proj.weight.view(h, dh, -1)
+        wk = attn.k_proj.weight.view(h, dh, -1)
+        for i in range(h):
+            w = wq[i].T @ wk[i] / math.sqrt(dh)  # (D, D)
+            sym = (w + w.T) / 2
+            d = w.shape[0]
+            pens.append((sym * sym).sum() / d - 2 * target * torch.trace(w) / d + target**2)
+    return torch.stack(pens).mean()
 
 
 def _first_bad_step(cfg: TrialConfig) -> int:
-    """A plain loop that checks the loss on the host every step (SGD, constant lr, no clip)."""
+    """A plain loop that checks the loss on the host every step (SGD, constant lr, no clip,
+    the penalty computed here from the explicit W)."""
     task = build_task(cfg.task, cfg.seed)
     model = build_model(cfg, task)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
+    reg = cfg.regularizer
     for step in range(cfg.steps):
         x, y = task.train_batch(cfg.batch_size, gen)
         _, loss = model(x, y)
         assert loss is not None
-        if not math.isfinite(float(loss)):
+        total = loss + reg.lam * _locater(model, reg.target_mean)
+        if not (math.isfinite(loss.item()) and math.isfinite(total.item())):
             return step + 1
         opt.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
+        total.backward()  # type: ignore[no-untyped-call]
         opt.step()
     raise AssertionError("the premise failed: no divergence")
 
 
 def test_divergence_between_checks_is_recorded_at_its_exact_step() -> None:
-    cfg = tiny(optim=WILD, steps=200, eval_every=150)
+    cfg = tiny(optim=WILD, regularizer=WILD_REG, steps=200, eval_every=150)
     expected = _first_bad_step(cfg)
     assert 1 < expected < NAN_CHECK_EVERY  # between two host checks
     rec = Recorder()
