@@ -2,7 +2,7 @@
 
 The Alembic migrations stay in the repository's top-level `migrations/` directory and are
 shipped in the wheel as the package `qkscope_migrations` (a non-generic import name), so
-an installed qkscope (not editable) can migrate its database: service/db/migrate.py finds
+an installed qkscope (not editable) can migrate its database: service/store/migrate.py finds
 them through importlib.resources.
 """
 

@@ -164,7 +164,7 @@ def say(*args: Any) -> None:
 class RayHead:
     """A local Ray head (`ray start --head --block`, token auth on) on free ports only.
 
-    Like service.ray_cluster.LocalRayHead, but every port a second head on the same
+    Like service.control.ray_cluster.LocalRayHead, but every port a second head on the same
     machine could collide with is chosen free, including the dashboard agent's (52365 by
     default: a second head that loses that port cannot accept jobs). Used with
     QKSCOPE_RAY_ADDRESS so `qkscope serve` connects to it instead of starting its own.

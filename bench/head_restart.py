@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench._common import Timer, busy_note, free_port, load1, machine_line, say, table
-from service.ray_cluster import LocalRayHead
+from service.control.ray_cluster import LocalRayHead
 
 
 def _kill_gcs(port: int) -> None:

@@ -1,9 +1,9 @@
 """Metric ingestion: qkscope's real report path against a bare bulk insert, side by side.
 
-qkscope path: Ray tasks report evaluations through `workers.remote.InboxReporter` to a
-`TrialInbox` actor; the driver plays the study runner's loop (wait `service.runner.POLL_S`,
-drain the inbox, `TrialEvents.persist_reports` (service/trial_events.py), which writes one transaction per batch via
-`service.db.ingest.insert_metrics`). The StudyRunner is the real one, built on a real study
+qkscope path: Ray tasks report evaluations through `workers.inbox.InboxReporter` to a
+`TrialInbox` actor; the driver plays the study runner's loop (wait `service.runner.loop.POLL_S`,
+drain the inbox, `Reports.store` (service/runner/reports.py), which writes one transaction per batch via
+`service.store.ingest.insert_metrics`). The StudyRunner is the real one, built on a real study
 row. Reports are shaped like a 12-layer, 12-head model's evaluation (4 per-head metrics,
 13 rank ratios, 5 scalars: 594 rows; `--layers/--heads` to change).
 
@@ -87,7 +87,7 @@ def produce(
     inbox: Any, trial: int, n_reports: int, layers: int, heads: int, first_step: int
 ) -> tuple[int, float]:
     """A trial task's reporting, minus the training: report `n_reports` evaluations."""
-    from workers.remote import InboxReporter
+    from workers.inbox import InboxReporter
 
     reporter = InboxReporter(inbox, trial)
     sent = 0
@@ -115,48 +115,45 @@ class Harness:
 
     def __init__(self, url: str, home: Path) -> None:
         from service.config import Settings
-        from service.db import migrate
-        from service.db.session import make_engine, make_sessionmaker
-        from service.runner import StudyRunner
+        from service.runner.loop import StudyRunner
+        from service.runner.reports import Reports
         from service.spec import StudySpec
-        from service.studies import create_study
+        from service.store import migrate
+        from service.store.session import make_engine, make_sessionmaker
+        from service.store.studies import StudyRows
 
         migrate.upgrade(url)
         self.url = url
         self.engine = make_engine(url)
         self.sessions = make_sessionmaker(self.engine)
         settings = Settings(database_url=url, home=home)
-        row, _ = create_study(self.sessions, StudySpec.model_validate(SPEC))
+        row, _ = StudyRows(self.sessions).create(StudySpec.model_validate(SPEC))
         self.runner = StudyRunner(row.id, settings, self.engine)
         self.study_id = row.id
+        self.records: dict[int, Any] = {}
+        r = self.runner
+        self.reports = Reports(r.spec, r.store.trials, r.search, lambda number: None)
 
     def new_trial(self) -> tuple[int, int]:
-        """Ask Optuna, insert the qk_trial row, register it like `_launch` does."""
-        from service.db.models import Trial
-        from service.db.session import session_scope
-        from service.trial_events import Running
+        """Ask Optuna, insert the qk_trial row, hold its record as the runner's scheduler does."""
+        from service.runner.records import TrialRecord
 
-        trial = self.runner.study.ask()
-        with session_scope(self.sessions) as s:
-            row = Trial(study_id=self.study_id, number=trial.number, params={}, seed=0)
-            s.add(row)
-            s.flush()
-            row_id = row.id
-        entry = Running(trial=trial, row_id=row_id, number=trial.number, started=time.monotonic())
-        self.runner.events.track(entry)
+        trial = self.runner.search.study.ask()
+        row_id = self.runner.store.trials.insert_queued(self.study_id, trial.number, {}, 0)
+        self.records[trial.number] = TrialRecord(trial, row_id, {}, None)
         return trial.number, row_id
 
     def metric_count(self) -> int:
-        from service.db.models import Metric
-        from service.db.session import session_scope
+        from service.store.models import Metric
+        from service.store.session import session_scope
 
         with session_scope(self.sessions) as s:
             return int(s.scalar(select(func.count()).select_from(Metric)) or 0)
 
     def run_qkscope(self, producers: int, n_reports: int, layers: int, heads: int) -> Run:
         """Producers report through the inbox; this thread plays the runner's loop."""
-        from service.runner import POLL_S
-        from workers.remote import TrialInbox
+        from service.runner.loop import POLL_S
+        from workers.inbox import TrialInbox
 
         inbox = TrialInbox.remote()  # type: ignore[attr-defined]
         numbers = [self.new_trial()[0] for _ in range(producers)]
@@ -169,10 +166,10 @@ class Harness:
         while True:
             if pending:
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            reports, _starts, _finished = ray.get(inbox.drain.remote())
+            reports = ray.get(inbox.drain.remote()).reports
             if reports:
                 tw = time.perf_counter()
-                self.runner.events.persist_reports(reports, inbox)
+                self.reports.store(reports, self.records)
                 write_s += time.perf_counter() - tw
                 batches.append(sum(len(p) for _, _, p, _ in reports))
             elif not pending:
@@ -323,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(("SQLite", measure(f"sqlite:///{d}/bench.db", args)))
     finally:
         ray.shutdown()
-    from service.runner import POLL_S
+    from service.runner.loop import POLL_S
 
     per_report = len(eval_points(args.layers, args.heads, 50))
     print(f"ingest: {machine_line()}")

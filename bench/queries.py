@@ -3,11 +3,11 @@
 Loads one synthetic study of `--trials` trials (default 10,000) and `--rows` metric rows
 (default 10,000,000: 1,000 per trial, a 2-layer 2-head model evaluated ~42 times) into a
 throwaway PostgreSQL database through the project's own bulk path
-(`service.db.ingest.insert_metrics`), and the same trials (params, values, summary numbers
+(`service.store.ingest.insert_metrics`), and the same trials (params, values, summary numbers
 as user attributes, the val-loss curve as intermediate values) into Optuna's RDBStorage
 in the same database. Then times each question many times (p50/p95/p99):
 
-- qkscope, the functions the API routes call (`service.db.queries`, one session per call
+- qkscope, the functions the API routes call (`service.read.queries`, one session per call
   like one request), and the same routes over HTTP (FastAPI TestClient, in process);
 - Optuna, the nearest answer its storage API gives: `get_all_trials` then filter/sort in
   Python; `get_trial(...).intermediate_values`; `get_best_trial` + counts by state. Both
@@ -123,13 +123,13 @@ def synth_trial(number: int, rng: random.Random, evals: int) -> dict[str, Any]:
 
 
 def load_qkscope(url: str, trials: list[dict[str, Any]], rows_per_trial: int, seed: int) -> Any:
-    """Study + trials (bulk INSERT) + metrics (service.db.ingest.insert_metrics, per chunk)."""
+    """Study + trials (bulk INSERT) + metrics (service.store.ingest.insert_metrics, per chunk)."""
     from sqlalchemy import insert
 
-    from service.db import migrate
-    from service.db.ingest import insert_metrics
-    from service.db.models import Study, Trial
-    from service.db.session import make_engine, make_sessionmaker, session_scope
+    from service.store import migrate
+    from service.store.ingest import insert_metrics
+    from service.store.models import Study, Trial
+    from service.store.session import make_engine, make_sessionmaker, session_scope
 
     migrate.upgrade(url)
     engine = make_engine(url)
@@ -217,7 +217,7 @@ def load_optuna(url: str, trials: list[dict[str, Any]]) -> tuple[str, float]:
     from optuna.trial import TrialState, create_trial
     from sqlalchemy import create_engine, insert, select
 
-    from service.db.session import normalize_url
+    from service.store.session import normalize_url
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = optuna.storages.RDBStorage(normalize_url(url))
@@ -457,9 +457,9 @@ def run_queries(
 
     from service.app import create_app
     from service.config import Settings
-    from service.db import queries
-    from service.db.models import Study
-    from service.db.session import session_scope
+    from service.read import queries
+    from service.store.models import Study
+    from service.store.session import session_scope
 
     pick = random.Random(1)
     probe_trials = [ids[pick.randrange(len(ids))] for _ in range(16)]
@@ -544,7 +544,7 @@ def run_queries(
             with session_scope(sessions) as s:
                 out[0] = len(fn(s))
 
-        add(q, "qkscope, functions (service.db.queries)", timed(call, args.repeats), out[0])
+        add(q, "qkscope, functions (service.read.queries)", timed(call, args.repeats), out[0])
     with tempfile.TemporaryDirectory() as home:
         settings = Settings(database_url=url, home=Path(home))
         with TestClient(create_app(settings, reconcile_loop=False)) as client:
@@ -579,7 +579,7 @@ def optuna_questions(
     import optuna
     from optuna.trial import TrialState
 
-    from service.db.session import normalize_url
+    from service.store.session import normalize_url
 
     raw = optuna.storages.RDBStorage(normalize_url(url))
     sid = raw.get_study_id_from_name(name)

@@ -118,7 +118,7 @@ def bulk_add(url: str, study_name: str, kind: str, history: list[dict[str, Any]]
     from optuna.trial import TrialState
     from sqlalchemy import create_engine, insert, select
 
-    from service.db.session import normalize_url
+    from service.store.session import normalize_url
 
     storage = optuna.storages.RDBStorage(normalize_url(url))
     study_id = storage.get_study_id_from_name(study_name)
@@ -203,15 +203,15 @@ def memory_add(study: Any, kind: str, history: list[dict[str, Any]]) -> None:
 
 
 def qkscope_cycle(runner: Any, rng: random.Random) -> None:
-    from service.dispatch import suggest
+    from service.runner.configs import suggest
 
-    trial = runner.study.ask()
+    trial = runner.search.study.ask()
     suggest(runner.spec, trial)
     runner.storage.get_trial(trial._trial_id)
     for key in CONSTRAINT_KEYS:
         trial.set_constraint(key, rng.uniform(-0.5, 0.5))
     trial.set_user_attr("qkscope_status", "completed")
-    runner.study.tell(trial, [rng.uniform(0.5, 3.0)])
+    runner.search.study.tell(trial, [rng.uniform(0.5, 3.0)])
 
 
 def direct_cycle(study: Any, rng: random.Random) -> None:
@@ -246,11 +246,12 @@ def run_rdb(url: str, label: str, args: argparse.Namespace, out: list[dict[str, 
     import optuna
 
     from service.config import Settings
-    from service.db import migrate
-    from service.db.session import make_engine, make_sessionmaker
-    from service.runner import StudyRunner
+    from service.runner.loop import StudyRunner
+    from service.runner.search import make_sampler
     from service.spec import StudySpec
-    from service.studies import create_study, make_sampler
+    from service.store import migrate
+    from service.store.session import make_engine, make_sessionmaker
+    from service.store.studies import StudyRows
 
     migrate.upgrade(url)
     engine = make_engine(url)
@@ -260,16 +261,18 @@ def run_rdb(url: str, label: str, args: argparse.Namespace, out: list[dict[str, 
         settings = Settings(database_url=url, home=Path(home))
         for kind in args.samplers:
             spec = StudySpec.model_validate(spec_for(kind))
-            row, _ = create_study(sessions, spec)
+            row, _ = StudyRows(sessions).create(spec)
             runner = StudyRunner(row.id, settings, engine)  # creates the Optuna study
-            name = runner.study.study_name
+            name = runner.search.study.study_name
             have = 0
             for size in args.sizes:
                 if kind == "gp" and size > args.gp_max:
                     out.append({"sampler": kind, "storage": label, "path": "qkscope runner",
                                 "size": size, "skipped": f"gp capped at {args.gp_max}"})  # fmt: skip
                     continue
-                n_now = len(runner.storage.get_all_trials(runner.study._study_id, deepcopy=False))
+                n_now = len(
+                    runner.storage.get_all_trials(runner.search.study._study_id, deepcopy=False)
+                )
                 bulk_add(url, name, kind, fake_history(kind, n_now, size - have, rng))
                 have = size
                 say(f"  {label} {kind} @ {size}")
@@ -294,8 +297,8 @@ def run_rdb(url: str, label: str, args: argparse.Namespace, out: list[dict[str, 
 def run_memory(args: argparse.Namespace, out: list[dict[str, Any]]) -> None:
     import optuna
 
+    from service.runner.search import make_sampler
     from service.spec import StudySpec
-    from service.studies import make_sampler
 
     rng = random.Random(0)
     for kind in args.samplers:

@@ -13,6 +13,7 @@ member-steps it computed (its own count, from the runner's log): with slots the 
 compute spent on stopped members, is 0.
 
     .venv/bin/python -m bench.slots [--trials 32] [--steps 400] [--groups d93dac7] [--quick]
+        [--ref REF]   # also fuse 1 and 4 on commit REF, alternating with today's code
 """
 
 from __future__ import annotations
@@ -87,12 +88,26 @@ def run(trials: int, steps: int, fuse: int, work: Path, tree: Path | None = None
         stop_serve(head, proc)
 
 
+def _worktree(tmp: str, ref: str) -> Path:
+    tree = Path(tmp) / ref
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(tree), ref],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
+    return tree
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=32)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--quick", action="store_true", help="8 trials of 100 steps")
     p.add_argument("--groups", metavar="REF", help="also run fuse 4 on commit REF (groups)")
+    p.add_argument(
+        "--ref", metavar="REF", help="also run fuse 1 and fuse 4 on commit REF, alternating"
+    )
     args = p.parse_args(argv)
     trials, steps = (8, 100) if args.quick else (args.trials, args.steps)
     say(machine_line())
@@ -100,11 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="qkscope-slots-") as tmp:
         results = []
-        for fuse in (1, 4):
-            work = Path(tmp) / f"fuse-{fuse}"
-            work.mkdir()
-            say(f"fuse {fuse}: {trials} trials x {steps} steps, median pruner, parallelism 1")
-            results.append(run(trials, steps, fuse, work))
+        ref = _worktree(tmp, args.ref) if args.ref else None
+        try:
+            for fuse in (1, 4):
+                for tree in (None, ref) if ref else (None,):
+                    work = Path(tmp) / f"fuse-{fuse}-{tree.name if tree else 'now'}"
+                    work.mkdir()
+                    at = f" at {args.ref}" if tree else ""
+                    say(f"fuse {fuse}{at}: {trials} trials x {steps} steps, median pruner")
+                    res = run(trials, steps, fuse, work, tree)
+                    if tree is not None:
+                        res["label"] = f"fuse {fuse} at {args.ref}"
+                    results.append(res)
+        finally:
+            if ref is not None:
+                subprocess.run(["git", "worktree", "remove", "--force", str(ref)], cwd=ROOT)
         if args.groups:
             tree = Path(tmp) / args.groups
             subprocess.run(
@@ -122,15 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
     base = results[0]["wall"]
     for res in results:
-        if res["label"]:
+        if res["label"].startswith("fuse 4 (groups"):
             computed: Any = "n/a"  # the groups' runner logged no count
         else:
             computed = res["computed"] if res["computed"] is not None else res["needed"]
         rows.append(
             [
                 res["label"]
-                or f"fuse {res['fuse']}"
-                + (" (slots)" if res["fuse"] > 1 else " (a task per trial)"),
+                or f"fuse {res['fuse']}" + (" (slots)" if res["fuse"] > 1 else " (one slot)"),
                 f"{res['wall']:.1f}",
                 f"{3600 * res['trials'] / res['wall']:.0f}",
                 f"{res['pruned']}/{res['trials']}",

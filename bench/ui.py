@@ -8,7 +8,7 @@ Two pages, each at the size the issue names:
   model evaluated ~725 times, so the entropy heatmap has 32 x 725 cells).
 
 Loaded through the project's own paths (trial rows in bulk, metric rows through
-`service.db.ingest.insert_metrics`) into a throwaway PostgreSQL database (`--db sqlite` for
+`service.store.ingest.insert_metrics`) into a throwaway PostgreSQL database (`--db sqlite` for
 a file), served by uvicorn in this process. Per page, `--runs` cold loads (a new browser
 context each: no cache) of `/ui/#/...`, timing from navigation start:
 
@@ -89,10 +89,10 @@ def load(url: str, n_trials: int, n_rows: int) -> tuple[int, int]:
     from sqlalchemy import insert, select, text
 
     from bench.queries import SPEC, synth_trial
-    from service.db import migrate
-    from service.db.ingest import insert_metrics
-    from service.db.models import Study, Trial
-    from service.db.session import make_engine, make_sessionmaker, session_scope
+    from service.store import migrate
+    from service.store.ingest import insert_metrics
+    from service.store.models import Study, Trial
+    from service.store.session import make_engine, make_sessionmaker, session_scope
 
     migrate.upgrade(url)
     engine = make_engine(url)

@@ -6,8 +6,8 @@ from typing import Any
 
 from alembic import context
 
-from service.db.models import Base
-from service.db.session import make_engine
+from service.store.models import Base
+from service.store.session import make_engine
 
 VERSION_TABLE = "qkscope_alembic_version"
 

@@ -15,17 +15,17 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
-from service import prom
 from service.api import export, importance, plots, series, studies, trials, ui
 from service.api.deps import require_token, token_digest
 from service.api.errors import install_error_handlers
 from service.api.openapi import complete_statuses
 from service.config import Settings, get_settings
-from service.db import migrate
-from service.db.session import make_engine, make_sessionmaker
-from service.ray_cluster import JobLauncher
+from service.control.launch import reconcile
+from service.control.ray_cluster import JobLauncher
+from service.read import prom
 from service.spec import StudySpec
-from service.studies import mark_ray_unreachable, reconcile
+from service.store import Store, migrate
+from service.store.session import make_engine, make_reader, make_sessionmaker
 from service.ui import mount_ui
 
 __all__ = ["create_app"]
@@ -64,7 +64,8 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
         await run_in_threadpool(migrate.upgrade, url)
         engine = make_engine(url)
         app.state.settings = settings
-        app.state.sessions = make_sessionmaker(engine)
+        app.state.sessions = make_reader(engine)  # the read side: refuses any write
+        app.state.store = Store(make_sessionmaker(engine))  # the only writer
         app.state.token_digests = [token_digest(t) for t in settings.token_list()]
         app.state.launcher = LauncherSlot(settings.ray_address)
         task = asyncio.create_task(_reconcile_forever(app)) if reconcile_loop else None
@@ -159,13 +160,15 @@ async def _reconcile_forever(app: FastAPI) -> None:
         if launcher is None and settings.ray_address:
             try:  # no job client yet: Ray's job server has not answered since we started
                 await run_in_threadpool(
-                    mark_ray_unreachable, app.state.sessions, settings.ray_address, "no connection"
+                    app.state.store.studies.mark_ray_unreachable,
+                    settings.ray_address,
+                    "no connection",
                 )
             except Exception:
                 log.exception("marking studies as waiting for Ray failed")
         if launcher is not None:
             try:
-                await run_in_threadpool(reconcile, app.state.sessions, launcher, settings)
+                await run_in_threadpool(reconcile, app.state.store, launcher, settings)
             except Exception:
                 log.exception("reconcile failed")
         app.state.reconcile_rounds.inc()  # observable proof the loop ran (Prometheus)

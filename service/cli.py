@@ -24,11 +24,11 @@ from qkscope import ApiError, Client, QkscopeError, Trial
 
 if TYPE_CHECKING:
     from service.config import Settings
-    from service.serve_lock import ServeLock
+    from service.control.serve_lock import ServeLock
 
 __all__ = ["main"]
 
-# The plots route's kinds and query parameters (service.plots would pull in the server stack).
+# The plots route's kinds and query parameters (service.read.plots would pull in the server stack).
 PLOT_KINDS = ("metric", "scatter", "phase", "pareto", "history", "importance")
 PLOT_PARAMS = ("metric", "trials", "layer", "head", "x", "y", "color", "objective")
 
@@ -216,7 +216,7 @@ def serve(args: argparse.Namespace) -> int:
     """Run the API (and the embedded Ray head) while holding the home's serve lock: a second
     `serve` in the same home refuses before it touches the head, the database or a port."""
     from service.config import get_settings
-    from service.serve_lock import ServeLock, ServeRunning
+    from service.control.serve_lock import ServeLock, ServeRunning
 
     settings = get_settings()
     if not _is_loopback(args.host) and not settings.token_list():
@@ -247,8 +247,8 @@ def _serve_locked(
     import uvicorn
 
     from service.app import create_app
-    from service.head_watch import HeadWatchdog
-    from service.ray_cluster import LocalRayHead
+    from service.control.head_watch import HeadWatchdog
+    from service.control.ray_cluster import LocalRayHead
 
     head = None
     if not settings.ray_address:
@@ -329,8 +329,8 @@ def stop() -> int:
     """End the `qkscope serve` of this home (QKSCOPE_HOME) and the Ray head it started,
     including a head left behind by a `serve` that was killed with SIGKILL."""
     from service.config import get_settings
-    from service.ray_cluster import LocalRayHead, pid_alive
-    from service.serve_lock import SERVE_STATE, running_serve
+    from service.control.ray_cluster import LocalRayHead, pid_alive
+    from service.control.serve_lock import SERVE_STATE, running_serve
 
     home = get_settings().home
     did = []
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             return stop()
         if args.cmd == "db":
             from service.config import get_settings
-            from service.db import migrate
+            from service.store import migrate
 
             migrate.upgrade(get_settings().resolved_database_url())
             print("database is at the latest schema")

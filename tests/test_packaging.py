@@ -79,7 +79,7 @@ def test_installed_wheel_migrates_from_outside_the_repo(tmp_path: Path) -> None:
         [
             str(py),
             "-c",
-            "import service, sys; from service.db import migrate; "
+            "import service, sys; from service.store import migrate; "
             "print(service.__file__); print(migrate.migrations_dir()); "
             f"migrate.upgrade('sqlite:///{db}')",
         ],

@@ -1,7 +1,7 @@
 """A trial's checkpoint directory: whose it is, and whether the trial has stopped; torch-free.
 
 The directory (`TrialConfig.checkpoint.dir`) holds the trial's weights (`checkpoint.pt`, written
-by workers/engine.py), its report journal (`reports.jsonl`, workers/remote.py) and two small
+by workers/engine.py), its report journal (`reports.jsonl`, workers/inbox.py) and two small
 files kept here:
 
 - `owner`: who the directory belongs to (`CheckpointConfig.owner`, e.g. a study's unique id

@@ -114,7 +114,7 @@ def member_bytes(config: TrialConfig, vocab_size: int) -> int:
     norms, about 12 d_model + 2 d_ff floats per token, plus the attention probabilities when
     the attention kernel materialises them), and the logits with their gradient. It errs
     high on purpose: a slot count from it should fit, and an out-of-memory still shrinks the
-    worker (workers/remote.py).
+    worker (workers/slot_worker.py).
     """
     m, b, t = config.model, config.batch_size, config.task.seq_len
     d, f, h, layers = m.d_model, m.d_ff, m.n_heads, m.n_layers

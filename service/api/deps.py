@@ -11,10 +11,18 @@ from fastapi import Depends, HTTPException, Request, status
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.db.session import session_scope
-from service.ray_cluster import JobLauncher
+from service.control.ray_cluster import JobLauncher
+from service.store import Store
+from service.store.session import session_scope
 
-__all__ = ["LauncherDep", "SessionDep", "SettingsDep", "require_token", "token_digest"]
+__all__ = [
+    "LauncherDep",
+    "SessionDep",
+    "SettingsDep",
+    "StoreDep",
+    "require_token",
+    "token_digest",
+]
 
 
 def token_digest(token: str) -> bytes:
@@ -27,10 +35,15 @@ def get_settings_dep(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    """One session per request: committed if the handler returns, rolled back if it raises."""
+    """One read-only session per request (only the store writes rows)."""
     factory: sessionmaker[Session] = request.app.state.sessions
     with session_scope(factory) as session:
         yield session
+
+
+def get_store(request: Request) -> Store:
+    store: Store = request.app.state.store
+    return store
 
 
 def get_launcher(request: Request) -> JobLauncher | None:
@@ -59,5 +72,6 @@ def require_token(request: Request) -> None:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionDep = Annotated[Session, Depends(get_session)]  # read-only: writes go through StoreDep
+StoreDep = Annotated[Store, Depends(get_store)]
 LauncherDep = Annotated[JobLauncher | None, Depends(get_launcher)]

@@ -11,8 +11,8 @@ from fastapi.responses import StreamingResponse
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody, FieldError
-from service.db.models import Study
-from service.export import MEDIA_TYPES, export_stream
+from service.read.export import MEDIA_TYPES, export_stream
+from service.store.models import Study
 
 __all__ = ["router"]
 

@@ -1,5 +1,5 @@
 """/v1/studies/{id}/importance: which search-space parameters drive an objective or any stored
-summary metric (fANOVA by default, PED-ANOVA selectable); see service.importance."""
+summary metric (fANOVA by default, PED-ANOVA selectable); see service.read.importance."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pydantic import BaseModel
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody, FieldError
-from service.db.models import Study
-from service.importance import ImportanceError, TooFewTrials, importance
+from service.read.importance import ImportanceError, TooFewTrials, importance
+from service.store.models import Study
 
 __all__ = ["ImportanceOut", "router"]
 

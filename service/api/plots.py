@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody, FieldError
-from service.db.models import Study
-from service.plots import PLOT_KINDS, PlotError, PlotOptions, plot_data, render_png
+from service.read.plots import PLOT_KINDS, PlotError, PlotOptions, plot_data, render_png
+from service.store.models import Study
 
 __all__ = ["PlotKind", "router"]
 

@@ -17,8 +17,8 @@ from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.openapi import not_found
 from service.api.schemas import FieldError
-from service.db import queries
-from service.db.models import Trial
+from service.read import queries
+from service.store.models import Trial
 
 __all__ = ["MAX_ROWS", "SeriesOut", "TrialSeriesOut", "router"]
 

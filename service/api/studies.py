@@ -11,15 +11,16 @@ from pydantic import Field, ValidationError
 from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import LauncherDep, SessionDep, SettingsDep
+from service.api.deps import LauncherDep, SessionDep, SettingsDep, StoreDep
 from service.api.errors import ApiError, validation_errors
 from service.api.openapi import error, not_found
 from service.api.schemas import FieldError, Page, StudyOut, TrialOut
-from service.db import queries
-from service.db.models import Study, StudyStatus, Trial, TrialState
+from service.control.cancel import cancel_study
+from service.control.launch import launch_study
+from service.read import queries
 from service.resources import unmet
 from service.spec import SpecError, StudySpec, check_limits, parse_spec
-from service.studies import cancel_study, create_study, launch_study, mark_ray_unreachable
+from service.store.models import Study, StudyStatus, Trial, TrialState
 
 __all__ = ["router"]
 
@@ -124,6 +125,7 @@ async def submit_study(
     session: SessionDep,
     settings: SettingsDep,
     launcher: LauncherDep,
+    store: StoreDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> StudyOut:
     """Validate a study definition (JSON or YAML), store it, and start its Ray job."""
@@ -147,19 +149,18 @@ async def submit_study(
                 "; ".join(f"{f}: {m}" for f, m in unmet_),
                 [FieldError(field=f, message=m) for f, m in unmet_],
             )
-    sessions = request.app.state.sessions
-    row, created = create_study(sessions, spec, idempotency_key)
+    row, created = store.studies.create(spec, idempotency_key)
     if not created:
         response.status_code = status.HTTP_200_OK
         return StudyOut.of(row)
     if launcher is not None:
         try:
-            launch_study(sessions, launcher, settings, row.id, seen_attempts=0)
+            launch_study(store, launcher, settings, row.id, seen_attempts=0)
         except Exception as e:  # the reconciler retries PENDING studies
             log.warning("study %d stays PENDING: submit failed: %s", row.id, e)
-            mark_ray_unreachable(sessions, settings.ray_address, e, study_id=row.id)
+            store.studies.mark_ray_unreachable(settings.ray_address, e, study_id=row.id)
     elif settings.ray_address:  # the job server did not answer when we last tried
-        mark_ray_unreachable(sessions, settings.ray_address, "no connection", study_id=row.id)
+        store.studies.mark_ray_unreachable(settings.ray_address, "no connection", study_id=row.id)
     return StudyOut.of(_get_study(session, row.id))
 
 
@@ -194,19 +195,17 @@ def get_study(session: SessionDep, study_id: StudyId) -> StudyOut:
 
 @router.post("/studies/{study_id}/cancel", response_model=StudyOut, responses=not_found("study"))
 def cancel(
-    request: Request,
     session: SessionDep,
     settings: SettingsDep,
     launcher: LauncherDep,
+    store: StoreDep,
     study_id: StudyId,
 ) -> StudyOut:
     """Stop the study's Ray job and its trials (in Optuna's storage too); finished studies
     are left as they are."""
     _get_study(session, study_id)
     session.close()
-    row = cancel_study(
-        request.app.state.sessions, launcher, study_id, settings.resolved_database_url()
-    )
+    row = cancel_study(store, launcher, study_id, settings.resolved_database_url())
     assert row is not None
     return StudyOut.of(row)
 

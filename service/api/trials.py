@@ -11,8 +11,8 @@ from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.openapi import not_found
 from service.api.schemas import FieldError, MetricOut, TrialOut
-from service.db import queries
-from service.db.models import Trial
+from service.read import queries
+from service.store.models import Trial
 from workers.metric_names import SERIES_NAMES
 
 __all__ = ["router"]

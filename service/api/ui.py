@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from service.api.deps import SettingsDep
-from service.importance import MIN_TRIALS
+from service.read.importance import MIN_TRIALS
 
 __all__ = ["UiConfigOut", "router"]
 

@@ -24,9 +24,9 @@ import qkscope.client
 from qkscope import ApiError, Client, ConnectError, Plot, Study, Trial
 from qkscope.progress import make_progress
 from service.config import Settings
-from service.db.models import Metric, utcnow
-from service.db.models import Study as StudyRow
-from service.db.models import Trial as TrialRow
+from service.store.models import Metric, utcnow
+from service.store.models import Study as StudyRow
+from service.store.models import Trial as TrialRow
 from tests.conftest import ROOT, free_port
 from tests.service.conftest import TOKEN, live_api
 

@@ -16,8 +16,8 @@ from sqlalchemy import Engine
 
 from service.app import create_app
 from service.config import Settings, get_settings
-from service.db.session import make_engine
-from service.ray_cluster import LocalRayHead
+from service.control.ray_cluster import LocalRayHead
+from service.store.session import make_engine
 from tests.conftest import free_port
 
 TOKEN = "service-test-token"

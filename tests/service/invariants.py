@@ -10,8 +10,8 @@ import optuna
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from service.db.models import CURRENT_PENALTY_VERSION, Metric, Study, Trial
-from service.db.session import make_engine, make_sessionmaker, normalize_url
+from service.store.models import CURRENT_PENALTY_VERSION, Metric, Study, Trial
+from service.store.session import make_engine, make_sessionmaker, normalize_url
 
 ATTN = ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var", "qk_eig_mean_rank")
 
@@ -154,7 +154,7 @@ def fault_spec(n_trials: int, max_retries: int = 2, steps: int = 160) -> dict[st
         "max_retries": max_retries,
         "objectives": [{"metric": "final_val_loss", "direction": "minimize"}],
         "resources": {"cpus": 1, "gpus": 0},
-        # a Ray task per trial: these tests are about that path's retries and restarts (slot
-        # workers' faults: tests/service/test_slots.py, test_fused_study.py, test_node_loss.py)
+        # one-slot workers (the plain runner): these tests are about retries and restarts of
+        # that path (fused slot workers' faults: test_slots.py, test_fused_study.py, ...)
         "fuse": 1,
     }

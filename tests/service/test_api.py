@@ -20,9 +20,9 @@ from sqlalchemy.orm import Session
 
 from service.app import create_app
 from service.config import Settings
-from service.db.models import Metric, Study, Trial
-from service.db.session import make_engine
 from service.spec import StudySpec
+from service.store.models import Metric, Study, Trial
+from service.store.session import make_engine
 
 SPACE: dict[str, Any] = {
     "regularizer.lambda": {"type": "float", "low": 0.0001, "high": 1.0, "log": True},

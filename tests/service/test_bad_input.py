@@ -18,9 +18,9 @@ from sqlalchemy.orm import Session
 
 from service.app import create_app
 from service.config import Settings
-from service.db.models import Study
-from service.db.session import make_engine
 from service.spec import StudySpec
+from service.store.models import Study
+from service.store.session import make_engine
 
 VALID: dict[str, Any] = {
     "name": "ok",

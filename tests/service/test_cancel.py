@@ -9,11 +9,13 @@ import optuna
 from optuna.trial import TrialState as OptunaState
 from sqlalchemy import select
 
-from service.db import migrate
-from service.db.models import Study, Trial, TrialState
-from service.db.session import make_engine, make_sessionmaker, session_scope
+from service.control.cancel import cancel_study
 from service.spec import StudySpec
-from service.studies import cancel_study, create_study, optuna_storage, optuna_study_name
+from service.store import Store, migrate
+from service.store.models import Study, Trial, TrialState
+from service.store.optuna import optuna_storage, optuna_study_name
+from service.store.session import make_engine, make_sessionmaker, session_scope
+from service.store.studies import StudyRows
 from tests.service.test_e2e_ray import small_quickstart
 
 
@@ -21,7 +23,7 @@ def seed(url: str) -> tuple[int, optuna.Study]:
     """A study whose (dead) runner asked three trials: one finished, one running, one queued."""
     migrate.upgrade(url)
     sessions = make_sessionmaker(make_engine(url))
-    row, _ = create_study(sessions, StudySpec.model_validate(small_quickstart()))
+    row, _ = StudyRows(sessions).create(StudySpec.model_validate(small_quickstart()))
     study = optuna.create_study(storage=optuna_storage(url), study_name=optuna_study_name(row.id))
     states = [TrialState.COMPLETE, TrialState.RUNNING, TrialState.QUEUED]
     with session_scope(sessions) as s:
@@ -40,7 +42,7 @@ def test_cancel_finishes_trials_in_both_stores(db_url: str) -> None:
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
     # The runner job is gone (no launcher): nobody else will ever finish these trials.
-    out = cancel_study(sessions, None, sid, db_url)
+    out = cancel_study(Store(sessions), None, sid, db_url)
     assert out is not None and out.status == "CANCELLED"
     with sessions() as s:
         rows = {t.number: t for t in s.scalars(select(Trial).where(Trial.study_id == sid))}
@@ -55,7 +57,7 @@ def test_cancel_finishes_trials_in_both_stores(db_url: str) -> None:
         assert by_number[n].state == OptunaState.FAIL
         assert by_number[n].user_attrs["qkscope_status"] == "cancelled"
     # A second cancel changes nothing.
-    assert cancel_study(sessions, None, sid, db_url).status == "CANCELLED"  # type: ignore[union-attr]
+    assert cancel_study(Store(sessions), None, sid, db_url).status == "CANCELLED"  # type: ignore[union-attr]
     engine.dispose()
 
 
@@ -64,8 +66,8 @@ def test_cancel_of_a_study_never_launched(db_url: str) -> None:
     migrate.upgrade(db_url)
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
-    row, _ = create_study(sessions, StudySpec.model_validate(small_quickstart()))
-    assert cancel_study(sessions, None, row.id, db_url).status == "CANCELLED"  # type: ignore[union-attr]
+    row, _ = StudyRows(sessions).create(StudySpec.model_validate(small_quickstart()))
+    assert cancel_study(Store(sessions), None, row.id, db_url).status == "CANCELLED"  # type: ignore[union-attr]
     with sessions() as s:
         assert s.get(Study, row.id).status == "CANCELLED"  # type: ignore[union-attr]
     engine.dispose()

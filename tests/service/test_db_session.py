@@ -6,7 +6,7 @@ import optuna
 import pytest
 from sqlalchemy.exc import OperationalError, PendingRollbackError
 
-from service.db.session import with_retry
+from service.store.session import with_retry
 
 
 def _dropped() -> OperationalError:

@@ -11,9 +11,9 @@ import yaml
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.db.models import Metric, Study, Trial
-from service.db.session import make_engine, make_sessionmaker
-from service.ray_cluster import JobLauncher, LocalRayHead
+from service.control.ray_cluster import JobLauncher, LocalRayHead
+from service.store.models import Metric, Study, Trial
+from service.store.session import make_engine, make_sessionmaker
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cluster

@@ -12,10 +12,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service.db.models import Metric, Trial
-from service.db.session import make_engine, make_sessionmaker, normalize_url
-from service.ray_cluster import JobLauncher, LocalRayHead
-from service.studies import optuna_study_name
+from service.control.ray_cluster import JobLauncher, LocalRayHead
+from service.store.models import Metric, Trial
+from service.store.optuna import optuna_study_name
+from service.store.session import make_engine, make_sessionmaker, normalize_url
 from tests.service.test_e2e_ray import small_quickstart, wait_for
 from workers import metrics as M
 

@@ -20,9 +20,9 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.db.models import CURRENT_PENALTY_VERSION, Metric, Trial
-from service.db.session import make_engine
-from service.export import export_stream
+from service.read.export import export_stream
+from service.store.models import CURRENT_PENALTY_VERSION, Metric, Trial
+from service.store.session import make_engine
 from tests.service.conftest import create_via_api, live_api
 
 T0 = datetime(2026, 3, 4, 5, 6, 7, 123456, tzinfo=UTC)

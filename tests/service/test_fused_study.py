@@ -18,10 +18,10 @@ from optuna.trial import TrialState as OptunaState
 from sqlalchemy import select
 
 from service.app import create_app
-from service.db.models import Trial
-from service.db.session import make_engine, make_sessionmaker
-from service.ray_cluster import LocalRayHead
-from service.studies import optuna_storage, optuna_study_name
+from service.control.ray_cluster import LocalRayHead
+from service.store.models import Trial
+from service.store.optuna import optuna_storage, optuna_study_name
+from service.store.session import make_engine, make_sessionmaker
 from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
 from tests.service.test_e2e_ray import small_quickstart, wait_for
 from tests.service.test_restarts import (

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from qkscope import ApiError, Client
 from service.config import Settings
-from service.db.models import Trial
+from service.store.models import Trial
 from tests.conftest import ROOT
 from tests.service.conftest import TOKEN, create_via_api, live_api
 

@@ -1,4 +1,4 @@
-"""service.db.ingest.insert_metrics on real SQLite and PostgreSQL: rows land exactly once,
+"""service.store.ingest.insert_metrics on real SQLite and PostgreSQL: rows land exactly once,
 replays are no-ops, non-finite values become NULL, a batch is all or nothing."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.ingest import insert_metrics
-from service.db.migrate import upgrade
-from service.db.models import NO_INDEX, Metric, Study, Trial
-from service.db.session import make_engine, make_sessionmaker, session_scope
+from service.store.ingest import insert_metrics
+from service.store.migrate import upgrade
+from service.store.models import NO_INDEX, Metric, Study, Trial
+from service.store.session import make_engine, make_sessionmaker, session_scope
 
 
 @pytest.fixture

@@ -1,12 +1,11 @@
 """A trial's lifecycle in the runner, on real SQLite/PostgreSQL and Optuna's real RDBStorage
-(no Ray: the runner's parts are driven directly): a cancel that landed first is never
+(no Ray: the runner's parts are driven directly, its pool records what it is asked): a cancel that landed first is never
 overwritten by a late result; `last_step` never goes backwards; a report that arrives after
 its trial finished is dropped, never a crash; a retried ask adopts the trial the failed try
 created instead of leaving it RUNNING for ever."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +14,35 @@ from optuna.trial import TrialState as OptunaState
 from sqlalchemy import func, select, update
 
 from service.config import Settings
-from service.db import migrate
-from service.db.models import Metric, Trial, TrialState
-from service.db.session import make_engine, make_sessionmaker, session_scope
-from service.runner import StudyRunner
+from service.runner.loop import StudyRunner
+from service.runner.records import TrialRecord
+from service.runner.reports import Reports
+from service.runner.scheduler import Scheduler
 from service.spec import StudySpec
-from service.studies import create_study
-from service.trial_events import Running
+from service.store import migrate
+from service.store.models import Metric, Trial, TrialState
+from service.store.session import make_engine, make_sessionmaker, session_scope
+from service.store.studies import StudyRows
 from tests.service.test_e2e_ray import small_quickstart
+from workers.config import TrialSummary
+from workers.messages import Assignment, Batch, Failed, Report, Stopped
+
+
+class NoRay:
+    """The scheduler's pool with no Ray behind it: it records what it was asked to do."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, list[int]]] = []
+        self.stopped: list[int] = []
+
+    def start(self, name: str, capacity: int, first: list[Assignment]) -> None:
+        self.calls.append(("start", name, [a.trial for a in first]))
+
+    def assign(self, name: str, items: list[Assignment]) -> None:
+        self.calls.append(("assign", name, [a.trial for a in items]))
+
+    def close(self, name: str) -> None:
+        self.calls.append(("close", name, []))
 
 
 def _runner(url: str, tmp_path: Path, **over: Any) -> StudyRunner:
@@ -30,49 +50,63 @@ def _runner(url: str, tmp_path: Path, **over: Any) -> StudyRunner:
     migrate.upgrade(url)
     engine = make_engine(url)
     spec = StudySpec.model_validate({**small_quickstart(), **over})
-    row, _ = create_study(make_sessionmaker(engine), spec)
-    return StudyRunner(row.id, Settings(database_url=url, home=tmp_path), engine)
+    row, _ = StudyRows(make_sessionmaker(engine)).create(spec)
+    runner = StudyRunner(row.id, Settings(database_url=url, home=tmp_path), engine)
+    pool = NoRay()
+    runner.scheduler = Scheduler(runner.spec, runner.study_id, pool)
+    runner.reports = Reports(runner.spec, runner.store.trials, runner.search, pool.stopped.append)
+    return runner
 
 
-def _launch(runner: StudyRunner) -> Running:
-    planned = runner.source.ask(lambda: set())
-    entry = Running(planned.trial, planned.row_id, planned.number, time.monotonic())
-    runner.events.track(entry)
-    return entry
+def _launch(runner: StudyRunner) -> TrialRecord:
+    runner._ask()
+    rec = list(runner.scheduler.records.values())[-1]
+    runner.scheduler.schedule()
+    return rec
 
 
-def _row(runner: StudyRunner, entry: Running) -> Trial:
-    with session_scope(runner.sessions) as s:
-        row = s.get(Trial, entry.row_id)
+def _row(runner: StudyRunner, rec: TrialRecord) -> Trial:
+    with session_scope(runner.store.sessions) as s:
+        row = s.get(Trial, rec.row_id)
         assert row is not None
         s.expunge(row)
         return row
 
 
-def _report(number: int, step: int, value: float) -> tuple[int, int, Any, str]:
-    return (number, step, [("val_loss", None, None, value)], "exec")
+def _report(number: int, step: int, value: float) -> Report:
+    return Report(number, "exec", step, [("val_loss", None, None, value)])
+
+
+def _stopped(rec: TrialRecord, summary: dict[str, Any]) -> Stopped:
+    assert rec.worker is not None
+    return Stopped(
+        rec.worker, rec.number, "exec", TrialSummary.model_validate(summary), "n", 1.0, 2.0, 0
+    )
 
 
 def test_a_cancel_that_landed_first_is_never_overwritten(db_url: str, tmp_path: Path) -> None:
     runner = _runner(db_url, tmp_path)
-    entry = _launch(runner)
-    with session_scope(runner.sessions) as s:
-        s.execute(update(Trial).where(Trial.id == entry.row_id).values(state="CANCELLED"))
+    rec = _launch(runner)
+    with session_scope(runner.store.sessions) as s:
+        s.execute(update(Trial).where(Trial.id == rec.row_id).values(state="CANCELLED"))
     summary = {"status": "completed", "steps_done": 40, "final_val_loss": 1.5, "eval_steps": [40]}
-    runner.outcomes.finish(entry, {"summary": summary, "execution": "exec"})
-    runner.outcomes.fail(entry, "late failure")
-    row = _row(runner, entry)
+    assert runner.scheduler.ended(_stopped(rec, summary)) is rec
+    runner._record_finished()
+    assert runner.storage.get_trial(rec.trial._trial_id).state == OptunaState.RUNNING  # not told
+    assert not runner.store.trials.record_failure(rec.row_id, "late failure", 1.0)
+    row = _row(runner, rec)
     assert row.state == TrialState.CANCELLED and row.final_val_loss is None and row.error is None
 
 
 def test_last_step_never_goes_backwards(db_url: str, tmp_path: Path) -> None:
     runner = _runner(db_url, tmp_path)
-    entry = _launch(runner)
-    runner.events.persist_reports([_report(entry.number, 40, 2.0)], inbox=None)
-    runner.events.persist_reports([_report(entry.number, 20, 2.5)], inbox=None)  # a replay
-    assert _row(runner, entry).last_step == 40
-    runner.events.persist_reports([_report(entry.number, 60, 1.9)], inbox=None)
-    assert _row(runner, entry).last_step == 60
+    rec = _launch(runner)
+    records = runner.scheduler.records
+    runner.reports.store([_report(rec.number, 40, 2.0)], records)
+    runner.reports.store([_report(rec.number, 20, 2.5)], records)  # a replay
+    assert _row(runner, rec).last_step == 40
+    runner.reports.store([_report(rec.number, 60, 1.9)], records)
+    assert _row(runner, rec).last_step == 60
 
 
 def test_a_report_after_the_trial_finished_is_dropped_not_a_crash(
@@ -82,12 +116,13 @@ def test_a_report_after_the_trial_finished_is_dropped_not_a_crash(
         db_url, tmp_path, pruner={"kind": "median", "n_startup_trials": 0, "n_warmup_steps": 0}
     )
     told = _launch(runner)  # finished in Optuna while its report travelled
-    runner.study.tell(told.trial, state=OptunaState.FAIL)
-    runner.events.persist_reports([_report(told.number, 20, 2.0)], inbox=None)  # no raise
+    runner.search.study.tell(told.trial, state=OptunaState.FAIL)
+    runner.reports.store([_report(told.number, 20, 2.0)], runner.scheduler.records)  # no raise
+    assert runner.reports.stop_trial.__self__ == []  # type: ignore[attr-defined]
     gone = _launch(runner)  # outcome recorded: the runner forgot it
-    runner.events.forget(gone.number)
-    runner.events.persist_reports([_report(gone.number, 20, 2.0)], inbox=None)
-    with session_scope(runner.sessions) as s:
+    runner.scheduler.done(gone)
+    runner.reports.store([_report(gone.number, 20, 2.0)], runner.scheduler.records)
+    with session_scope(runner.store.sessions) as s:
         stored = s.scalar(select(func.count()).where(Metric.trial_id == gone.row_id))
     assert stored == 0
 
@@ -95,32 +130,30 @@ def test_a_report_after_the_trial_finished_is_dropped_not_a_crash(
 def test_a_retried_ask_adopts_the_trial_the_failed_try_created(db_url: str, tmp_path: Path) -> None:
     runner = _runner(db_url, tmp_path)
     first = _launch(runner)
-    orphan = runner.study.ask()  # created in Optuna, then the connection "dropped": no row
-    planned = runner.source.ask(lambda: {first.number})
-    assert planned.number == orphan.number
-    trials = runner.study.get_trials(deepcopy=False)
+    orphan = runner.search.study.ask()  # created in Optuna, then the connection "dropped": no row
+    runner._ask()
+    assert max(runner.scheduler.records) == orphan.number
+    trials = runner.search.study.get_trials(deepcopy=False)
     assert [t.number for t in trials] == [first.number, orphan.number]  # no second ask
-    with session_scope(runner.sessions) as s:
+    with session_scope(runner.store.sessions) as s:
         numbers = s.scalars(select(Trial.number).where(Trial.study_id == runner.study_id)).all()
     assert sorted(numbers) == [first.number, orphan.number]
-    nxt = runner.source.ask(lambda: set())  # nothing left to adopt: a new trial
-    assert nxt.number == orphan.number + 1
+    runner._ask()  # nothing left to adopt: a new trial
+    assert max(runner.scheduler.records) == orphan.number + 1
 
 
 def test_a_slot_member_the_worker_could_not_train_fails_with_its_reason(
     db_url: str, tmp_path: Path
 ) -> None:
-    """A slot worker's `failed` result (out of memory with one slot) fails the trial at once:
-    our row FAILED with the reason, Optuna told FAIL, the trial out of the open registry (a
-    late report of it is dropped)."""
-    from service.slots import SlotPool
-
+    """A slot worker's `Failed` end (out of memory with one slot) fails the trial at once:
+    our row FAILED with the reason, Optuna told FAIL, the record gone (a late report of it
+    is dropped)."""
     runner = _runner(db_url, tmp_path, fuse=4)
-    runner.pool = SlotPool(runner.spec, runner.study_id, inbox=None)
-    entry = _launch(runner)
+    rec = _launch(runner)
     reason = "OutOfMemoryError with one trial in the worker: CUDA out of memory"
-    runner._on_finished([(entry.number, {"failed": reason})])
-    row = _row(runner, entry)
+    assert rec.worker is not None
+    runner._post_process(Batch(ends=[Failed(rec.worker, rec.number, reason)]), [])
+    row = _row(runner, rec)
     assert row.state == TrialState.FAILED and row.error == reason
-    assert runner.storage.get_trial(entry.trial._trial_id).state == OptunaState.FAIL
-    assert runner.events.entry(entry.number) is None and not runner.finishing
+    assert runner.storage.get_trial(rec.trial._trial_id).state == OptunaState.FAIL
+    assert rec.number not in runner.scheduler.records and not runner.scheduler.finishing()

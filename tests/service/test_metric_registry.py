@@ -11,15 +11,16 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from sqlalchemy import Boolean, Engine, Float, Integer, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.schemas import TrialOut
-from service.db.models import SUMMARY_COLUMNS, Metric, Study, Trial
-from service.db.queries import SORTABLE
-from service.export import trial_columns
-from service.plots.common import FLAG_FIELDS, KNOWN_METRICS, NUMERIC_FIELDS
-from service.pruning import IntermediateTracker, Point, load_tracker
+from service.read.export import trial_columns
+from service.read.plots.common import FLAG_FIELDS, KNOWN_METRICS, NUMERIC_FIELDS
+from service.read.queries import SORTABLE
+from service.runner.pruning import IntermediateTracker, Point, load_tracker
 from service.spec import StudySpec
+from service.store.models import SUMMARY_COLUMNS, Metric, Study, Trial
+from service.store.trials import TrialRows
 from tests.service.conftest import create_via_api
 from tests.workers.test_trial import Recorder, tiny
 from workers.metric_names import (
@@ -203,8 +204,10 @@ def test_tracker_rebuilt_from_stored_rows_uses_the_trials_own_plateau_settings(
             for n, _l, _h, v in _val(step, value)
         )
         s.commit()
-        spec = StudySpec.model_validate(_spec(base={"plateau_window": 1, "plateau_rel_tol": 0.5}))
-        tracker = load_tracker(s, trial.id, "plateau_count", spec.base)
+        row_id = trial.id
+    spec = StudySpec.model_validate(_spec(base={"plateau_window": 1, "plateau_rel_tol": 0.5}))
+    params, rows = TrialRows(sessionmaker(engine)).metric_points(row_id, "val_loss")
+    tracker = load_tracker("plateau_count", spec.base, params, rows)
     assert tracker.rel_tol == 0.05
     assert tracker.value(50) == PLATEAUS_AT[50][0] == 1  # with 0.5 every point would be flat
     tracker.add(60, _val(60, 2.0))

@@ -15,9 +15,9 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, inspect, text
 from sqlalchemy.orm import Session
 
-from service.db.migrate import alembic_config, upgrade
-from service.db.models import Base, Study
-from service.db.session import normalize_url
+from service.store.migrate import alembic_config, upgrade
+from service.store.models import Base, Study
+from service.store.session import normalize_url
 
 ENV_PY = Path(__file__).resolve().parents[2] / "migrations" / "env.py"
 OURS = {"qk_study", "qk_trial", "qk_metric"}

@@ -20,12 +20,12 @@ from ray.cluster_utils import Cluster
 from sqlalchemy import select
 
 from service.config import Settings
-from service.db import migrate
-from service.db.models import Study, Trial
-from service.db.session import make_engine, make_sessionmaker, normalize_url
 from service.runner import run_study
 from service.spec import StudySpec, apply_params
-from service.studies import create_study
+from service.store import migrate
+from service.store.models import Study, Trial
+from service.store.session import make_engine, make_sessionmaker, normalize_url
+from service.store.studies import StudyRows
 from tests.conftest import free_port
 from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
 from workers.trial import run_trial
@@ -64,7 +64,7 @@ class StudyThread:
         self.settings = Settings(database_url=db_url, home=home, checkpoint_dir=str(home / "ckpt"))
         self.engine = make_engine(db_url)
         self.sessions = make_sessionmaker(self.engine)
-        row, _ = create_study(self.sessions, StudySpec.model_validate(spec))
+        row, _ = StudyRows(self.sessions).create(StudySpec.model_validate(spec))
         self.study_id = row.id
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -240,7 +240,7 @@ def test_trial_recorded_but_not_told_is_not_run_again(
     settings = Settings(database_url=db_url, home=tmp_path, checkpoint_dir=str(tmp_path / "c"))
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
-    row, _ = create_study(sessions, StudySpec.model_validate(spec))
+    row, _ = StudyRows(sessions).create(StudySpec.model_validate(spec))
     storage = optuna.storages.RDBStorage(normalize_url(db_url))
     asked = optuna.create_study(
         study_name=f"qkscope-{row.id}", storage=storage, direction="minimize"

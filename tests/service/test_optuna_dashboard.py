@@ -1,6 +1,6 @@
 """optuna-dashboard on qkscope's database (real SQLite and PostgreSQL).
 
-A study is submitted through the API; its trials are then run the way service/runner.py runs
+A study is submitted through the API; its trials are then run the way the study runner (service/runner/) runs
 them (Optuna ask/tell on RDBStorage in the same database, study name `qkscope-<id>`, the
 spec's sampler, constraints via `Trial.set_constraint`, the `qkscope_status` user attribute,
 and the matching qk_trial rows), but with the training replaced by numbers made here. Then
@@ -28,10 +28,11 @@ from sqlalchemy.orm import Session
 
 from service.app import create_app
 from service.config import Settings
-from service.db.models import Trial
-from service.db.session import make_engine, normalize_url
+from service.runner.search import make_pruner, make_sampler
 from service.spec import StudySpec
-from service.studies import make_pruner, make_sampler, optuna_study_name
+from service.store.models import Trial
+from service.store.optuna import optuna_study_name
+from service.store.session import make_engine, normalize_url
 
 optuna_dashboard = pytest.importorskip("optuna_dashboard")
 

@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, create_engine, inspect, select, text
 from sqlalchemy.orm import Session
 
-from service.db.migrate import alembic_config, upgrade
-from service.db.models import CURRENT_PENALTY_VERSION, Study, Trial
-from service.db.session import normalize_url
+from service.store.migrate import alembic_config, upgrade
+from service.store.models import CURRENT_PENALTY_VERSION, Study, Trial
+from service.store.session import normalize_url
 from tests.service.conftest import create_via_api
 from workers.regularizers import PENALTY_VERSION
 

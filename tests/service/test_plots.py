@@ -1,7 +1,7 @@
 """GET /v1/studies/{id}/plots/{kind} and `qkscope results ID --plot KIND`, on real SQLite and
 PostgreSQL databases (no Ray: trials and metric rows are seeded with the ORM into studies made
 through the API). Every expected value is computed here from the seed tables, independently of
-service/plots.py; PNGs are checked by their bytes (signature, IHDR size) and decoded with Pillow.
+service/read/plots/; PNGs are checked by their bytes (signature, IHDR size) and decoded with Pillow.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db.models import Metric, Trial
+from service.store.models import Metric, Trial
 from tests.service.conftest import create_via_api, live_api
 
 KINDS = ("metric", "scatter", "phase", "pareto", "history")
@@ -541,7 +541,7 @@ def test_cli_results_plot_writes_the_apis_png(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from service import cli
-    from service.plots import PLOT_KINDS
+    from service.read.plots import PLOT_KINDS
 
     assert cli.PLOT_KINDS == PLOT_KINDS  # the CLI's copy of the list
     sid = seeded["sid"]

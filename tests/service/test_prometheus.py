@@ -20,8 +20,8 @@ from sqlalchemy.orm import Session
 
 from service.app import create_app
 from service.config import Settings
-from service.db.models import Study, Trial
-from service.db.session import make_engine
+from service.store.models import Study, Trial
+from service.store.session import make_engine
 
 TOKEN = "prom-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

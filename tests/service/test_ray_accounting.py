@@ -15,9 +15,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service.db.models import Trial
-from service.db.session import make_engine
-from service.ray_cluster import LocalRayHead
+from service.control.ray_cluster import LocalRayHead
+from service.store.models import Trial
+from service.store.session import make_engine
 from tests.service.test_e2e_ray import small_quickstart, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -98,18 +98,25 @@ def test_internal_calls_stay_about_one_per_evaluation(
     while True:
         tasks = job_tasks(ray_head.dashboard_url, job_id)
         names = [str(t.name) for t in tasks]
-        trials = sorted(n for n in names if n.startswith(f"study-{sid}/trial-"))
-        if (len(trials) >= 8 and len(names) == last) or time.monotonic() > deadline:
+        workers = sorted(n for n in names if n.startswith(f"study-{sid}/worker-"))
+        ends = names.count("TrialInbox.ended")
+        if (ends >= 8 and len(names) == last) or time.monotonic() > deadline:
             break
         last = len(names)
         time.sleep(2.0)
-    assert trials == sorted(f"study-{sid}/trial-{n}" for n in range(8)), names
+    # Every trial ran in a slot worker (one slot each: a worker takes trial after trial), at
+    # most `parallelism` at once, so fewer tasks than trials.
+    assert 1 <= len(workers) <= 8, names
     internal = [n for n in names if n.startswith("TrialInbox.")]
-    # Per trial: one start and one report per evaluation; per study: the actor's creation,
-    # one stream and one close. Nothing per poll (the old loop made ~8 calls a second).
+    # Per trial: a start, a report per evaluation, an end, and its assignment (assign +
+    # take); per worker: its last take, its close and the runner's fence at its end; per
+    # study: the actor's creation, one stream and one close. Nothing per poll (the old loop
+    # made ~8 calls a second).
     assert 0 < internal.count("TrialInbox.put") <= 8 * evaluations, sorted(set(internal))
     assert internal.count("TrialInbox.started") <= 8
+    assert internal.count("TrialInbox.ended") <= 8
     assert internal.count("TrialInbox.stream") == 1
-    assert len(internal) <= 8 * (evaluations + 1) + 3, sorted(set(internal))
-    assert len(tasks) <= 8 * (evaluations + 2) + 5
-    assert all(n.startswith(("TrialInbox.", f"study-{sid}/trial-")) for n in names), names
+    bound = 8 * (evaluations + 4) + 3 * len(workers) + 3
+    assert len(internal) <= bound, sorted(set(internal))
+    assert len(tasks) <= bound + len(workers)
+    assert all(n.startswith(("TrialInbox.", f"study-{sid}/worker-")) for n in names), names

@@ -14,10 +14,10 @@ from sqlalchemy import func, select
 
 from service.app import create_app
 from service.config import Settings
-from service.db.models import Study
-from service.db.session import make_engine
-from service.ray_cluster import JobLauncher, LocalRayHead
+from service.control.ray_cluster import JobLauncher, LocalRayHead
 from service.resources import unmet
+from service.store.models import Study
+from service.store.session import make_engine
 from tests.service.test_e2e_ray import small_quickstart, wait_for
 
 

@@ -22,11 +22,11 @@ from sqlalchemy import select
 
 from service.app import create_app
 from service.config import Settings
-from service.db import migrate
-from service.db.models import Study, StudyStatus
-from service.db.session import make_engine, make_sessionmaker
-from service.ray_cluster import JobLauncher, LocalRayHead
-from service.studies import reconcile
+from service.control.launch import reconcile
+from service.control.ray_cluster import JobLauncher, LocalRayHead
+from service.store import Store, migrate
+from service.store.models import Study, StudyStatus
+from service.store.session import make_engine, make_sessionmaker
 from tests.conftest import free_port
 from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
 
@@ -154,11 +154,15 @@ def test_ray_cluster_restart_resubmits_running_studies(
 ) -> None:
     """The whole cluster goes away and comes back empty (same address, same token)."""
     client, get = app
-    r = client.post("/v1/studies", json=fault_spec(n_trials=5))
+    # trials long enough that the study is still running when the cluster goes (with
+    # 160-step trials and one-slot workers that take trial after trial, it could finish first)
+    r = client.post("/v1/studies", json=fault_spec(n_trials=5, steps=INTERRUPT_STEPS))
     assert r.status_code == 201, r.text
     sid, job_id = r.json()["id"], r.json()["ray_job_id"]
     before = snapshot(wait_until("progress", lambda: progress(get, sid))["done"])
-    ray_head.stop()
+    # Gone at once (a graceful `ray stop` took ~20 s here, long enough for the study to end)
+    ray_head.stop(grace_s=0)
+    assert get(f"/v1/studies/{sid}")["status"] == "RUNNING"  # the premise: it was cut off
     ray_head.start()
     assert JobLauncher(ray_head.dashboard_url).status(job_id) is None, "the new cluster is empty"
     study = wait_until("study end", lambda: finished(get, sid), timeout=400)
@@ -283,7 +287,7 @@ def test_reconciler_gives_up_after_max_job_attempts(
             optuna_study_name="x", ray_job_id="qkscope-study-0-a3-gone", job_attempts=3,
         )  # fmt: skip
         s.add(doomed)
-    assert reconcile(sessions, JobLauncher(ray_head.dashboard_url), settings, grace_s=0) == 0
+    assert reconcile(Store(sessions), JobLauncher(ray_head.dashboard_url), settings, grace_s=0) == 0
     with sessions() as s:
         row = s.get(Study, doomed.id)
         assert row is not None and row.status == StudyStatus.FAILED
@@ -298,7 +302,7 @@ def test_reconciler_gives_up_after_max_job_attempts(
         s.add(live)
     unreachable = JobLauncher(ray_head.dashboard_url)
     unreachable._client._address = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert reconcile(sessions, unreachable, settings, grace_s=0) == 0
+    assert reconcile(Store(sessions), unreachable, settings, grace_s=0) == 0
     assert "job list is unavailable" in caplog.text  # judged nothing, submitted nothing
     with sessions() as s:
         row = s.get(Study, live.id)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import optuna
 import pytest
 
+from service.runner.search import make_pruner, make_sampler
 from service.spec import StudySpec
-from service.studies import make_pruner, make_sampler
 
 SPACE = {
     "optim.lr": {"type": "float", "low": 0.0001, "high": 0.1, "log": True, "grid": [0.001, 0.01]},

@@ -45,11 +45,11 @@ from sqlalchemy.orm import Session
 
 from service.app import create_app
 from service.config import Settings
-from service.db import migrate
-from service.db.models import Metric, Study, Trial
-from service.db.session import make_engine, make_sessionmaker
 from service.spec import StudySpec
-from service.studies import create_study
+from service.store import migrate
+from service.store.models import Metric, Study, Trial
+from service.store.session import make_engine, make_sessionmaker
+from service.store.studies import StudyRows
 
 TOKEN = "schemathesis-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -120,7 +120,7 @@ class Run:
 def seed(engine: Engine) -> int:
     """A study with trials and metrics, so that id 1 (a value the coverage phase always tries)
     reaches the real queries behind /trials, /summary, /best and /metrics."""
-    study, _ = create_study(make_sessionmaker(engine), StudySpec.model_validate(SEED_SPEC))
+    study, _ = StudyRows(make_sessionmaker(engine)).create(StudySpec.model_validate(SEED_SPEC))
     with Session(engine) as s:
         for n, state in enumerate(SEED_STATES):
             done = state == "COMPLETE"

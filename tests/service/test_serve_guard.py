@@ -29,9 +29,9 @@ import yaml
 
 from qkscope import Client
 from qkscope.progress import summary_line
-from service.db.models import Study, StudyStatus
-from service.db.session import make_engine, make_sessionmaker, session_scope
-from service.studies import RAY_UNREACHABLE, mark_ray_reachable, mark_ray_unreachable
+from service.store.models import Study, StudyStatus
+from service.store.session import make_engine, make_sessionmaker, session_scope
+from service.store.studies import RAY_UNREACHABLE, StudyRows
 from tests.conftest import ROOT, free_port
 from tests.service.test_cli import cli_env, qkscope, ray_left
 
@@ -274,7 +274,7 @@ def test_unreachable_ray_shows_in_waiting_reason_api_client_and_cli(tmp_path: Pa
 
 def test_unreachable_reason_is_cleared_and_runner_reasons_are_kept(db_url: str) -> None:
     sessions = make_sessionmaker(make_engine(db_url))
-    from service.db import migrate
+    from service.store import migrate
 
     migrate.upgrade(db_url)
     with session_scope(sessions) as s:
@@ -289,7 +289,9 @@ def test_unreachable_reason_is_cleared_and_runner_reasons_are_kept(db_url: str) 
         s.add_all(rows)
         s.flush()
         ids = [r.id for r in rows]
-    assert mark_ray_unreachable(sessions, "http://ray:8265", "Connection refused\nmore") == 1
+    assert (
+        StudyRows(sessions).mark_ray_unreachable("http://ray:8265", "Connection refused\nmore") == 1
+    )
 
     def reasons() -> list[str | None]:
         with session_scope(sessions) as s:
@@ -300,7 +302,7 @@ def test_unreachable_reason_is_cleared_and_runner_reasons_are_kept(db_url: str) 
     assert "http://ray:8265" in pending and "Connection refused" in pending
     assert "more" not in pending  # one line of the error
     assert gpu == "no alive node has gpus: 1" and done is None
-    mark_ray_reachable(sessions)
+    StudyRows(sessions).mark_ray_reachable()
     assert reasons() == [None, "no alive node has gpus: 1", None]
 
 
@@ -310,7 +312,7 @@ def test_a_job_server_that_never_answers_is_an_error_not_a_hang() -> None:
     import socket
     import threading
 
-    from service.ray_cluster import JobLauncher
+    from service.control.ray_cluster import JobLauncher
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

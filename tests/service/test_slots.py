@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service.ray_cluster import LocalRayHead
+from service.control.ray_cluster import LocalRayHead
 from tests.service.invariants import check_finished_study
 from tests.service.test_e2e_ray import wait_for
 from tests.service.test_fused_study import wild_and_calm

@@ -24,9 +24,9 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
-from service.db import migrate
-from service.db.models import Metric
-from service.db.session import make_engine
+from service.store import migrate
+from service.store.models import Metric
+from service.store.session import make_engine
 from tests.conftest import free_port
 from tests.service import ui_seed
 from tests.service.conftest import live_api
@@ -403,7 +403,7 @@ def test_the_series_route_groups_what_metrics_returns(db_url: str, tmp_path: Pat
     from fastapi.testclient import TestClient
 
     from service.app import create_app
-    from service.db.ingest import insert_metrics
+    from service.store.ingest import insert_metrics
 
     migrate.upgrade(db_url)
     engine = make_engine(db_url)

@@ -1,6 +1,6 @@
 """Studies for the web UI's browser tests: a finished quickstart-like study and a running one,
 written the way the runner writes them (the study through `create_study`, trial rows with
-their summary columns, metric rows through `service.db.ingest.insert_metrics`).
+their summary columns, metric rows through `service.store.ingest.insert_metrics`).
 
 The finished study is study_defs/quickstart.yaml itself (2 layers x 2 heads, evaluated every
 50 of 400 steps), with eight COMPLETE trials whose numbers follow a seeded pattern; trial 0
@@ -26,11 +26,11 @@ import yaml
 from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.orm import Session
 
-from service.db.ingest import insert_metrics
-from service.db.models import Study, Trial, utcnow
-from service.db.session import make_sessionmaker
 from service.spec import parse_spec
-from service.studies import create_study
+from service.store.ingest import insert_metrics
+from service.store.models import Study, Trial, utcnow
+from service.store.session import make_sessionmaker
+from service.store.studies import StudyRows
 from tests.conftest import ROOT
 
 QUICKSTART = ROOT / "study_defs" / "quickstart.yaml"
@@ -176,7 +176,9 @@ def add_study(
         raw["objectives"] = objectives
     if n_trials is not None:
         raw["budget"]["n_trials"] = n_trials
-    study, _ = create_study(make_sessionmaker(engine), parse_spec(json.dumps(raw).encode(), "json"))
+    study, _ = StudyRows(make_sessionmaker(engine)).create(
+        parse_spec(json.dumps(raw).encode(), "json")
+    )
     if status != "PENDING":
         set_study(engine, study.id, status=status)
     return int(study.id)
@@ -210,8 +212,8 @@ def seed(engine: Engine) -> Seeded:
     """The finished quickstart-like study and a running one (two RUNNING trials)."""
     sessions = make_sessionmaker(engine)
     spec = parse_spec(Path(QUICKSTART).read_bytes(), "application/yaml")
-    finished, _ = create_study(sessions, spec)
-    running, _ = create_study(sessions, spec.model_copy(update={"name": "quickstart-running"}))
+    finished, _ = StudyRows(sessions).create(spec)
+    running, _ = StudyRows(sessions).create(spec.model_copy(update={"name": "quickstart-running"}))
     now = utcnow()
     with Session(engine) as s:
         s.execute(

@@ -22,7 +22,9 @@ from workers.fusion_plan import (
     step_flops,
     vocab_bound,
 )
-from workers.remote import TrialInbox, _SlotWorker
+from workers.inbox import TrialInbox
+from workers.messages import Assignment, Failed, HandedBack
+from workers.slot_worker import SlotWorker
 from workers.tasks import build_task
 
 
@@ -60,28 +62,23 @@ def test_out_of_memory_hands_every_member_back_with_one_slot_fewer(tmp_path: Any
     try:
         inbox = TrialInbox.remote()  # type: ignore[attr-defined]
         items = [
-            (
+            Assignment(
+                s,
                 tiny(seed=s, checkpoint={"dir": str(tmp_path / f"t{s}")}).model_dump(
                     mode="json", by_alias=True
                 ),
-                s,
             )
             for s in range(3)
         ]
-        worker = _SlotWorker("w", 3, inbox)
+        worker = SlotWorker("w", 3, inbox)
         worker.admit(items)
         for _ in range(7):
             worker.engine.iterate()
         worker.on_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
         assert worker.engine is None and worker.capacity == 2
-        returned: list[Any] = []
-        deadline = time.monotonic() + 30
-        while len(returned) < 3 and time.monotonic() < deadline:
-            _reports, _starts, finished = ray.get(inbox.drain.remote())
-            returned += finished
-            time.sleep(0.1)
-        assert sorted(n for n, _ in returned) == [0, 1, 2]
-        assert all(r == {"returned": True, "slots": 2} for _, r in returned)
+        returned = _drain_ends(inbox, 3)
+        assert sorted(r.trial for r in returned) == [0, 1, 2]
+        assert all(r == HandedBack("w", r.trial, 2) for r in returned)
         # nothing recorded them as stopped: each resumes from its checkpoint (step 5)
         assert not any((tmp_path / f"t{s}" / "stopped.json").exists() for s in range(3))
         assert all((tmp_path / f"t{s}" / "checkpoint.pt").exists() for s in range(3))
@@ -89,12 +86,11 @@ def test_out_of_memory_hands_every_member_back_with_one_slot_fewer(tmp_path: Any
         ray.shutdown()
 
 
-def _drain_finished(inbox: Any, n: int) -> list[Any]:
+def _drain_ends(inbox: Any, n: int) -> list[Any]:
     got: list[Any] = []
     deadline = time.monotonic() + 30
     while len(got) < n and time.monotonic() < deadline:
-        _reports, _starts, finished = ray.get(inbox.drain.remote())
-        got += finished
+        got += ray.get(inbox.drain.remote()).ends
         time.sleep(0.1)
     return got
 
@@ -123,22 +119,22 @@ def test_out_of_memory_in_the_loop_hands_back_and_alone_fails(
     try:
         inbox = TrialInbox.remote()  # type: ignore[attr-defined]
 
-        def item(s: int) -> tuple[dict[str, Any], int]:
+        def item(s: int) -> Assignment:
             cfg = tiny(seed=s, checkpoint={"dir": str(tmp_path / f"t{s}")})
-            return (cfg.model_dump(mode="json", by_alias=True), s)
+            return Assignment(s, cfg.model_dump(mode="json", by_alias=True))
 
-        out = _SlotWorker("w2", 2, inbox).run([item(0), item(1)])
-        assert out["members"] == 2
-        back = _drain_finished(inbox, 2)
-        assert sorted(n for n, _ in back) == [0, 1]
-        assert all(r == {"returned": True, "slots": 1} for _, r in back)
+        out = SlotWorker("w2", 2, inbox).run([item(0), item(1)])
+        assert out.members == 2
+        back = _drain_ends(inbox, 2)
+        assert sorted(r.trial for r in back) == [0, 1]
+        assert all(r == HandedBack("w2", r.trial, 1) for r in back)
 
         calls["n"] = 0
-        _SlotWorker("w1", 1, inbox).run([item(0)])
-        (number, result), *rest = _drain_finished(inbox, 1)
-        assert number == 0 and not rest and "returned" not in result
-        assert result["failed"].startswith("OutOfMemoryError with one trial in the worker")
-        assert "Tried to allocate 2.00 GiB" in result["failed"]
+        SlotWorker("w1", 1, inbox).run([item(0)])
+        (result, *rest) = _drain_ends(inbox, 1)
+        assert isinstance(result, Failed) and result.trial == 0 and not rest
+        assert result.reason.startswith("OutOfMemoryError with one trial in the worker")
+        assert "Tried to allocate 2.00 GiB" in result.reason
         assert not (tmp_path / "t0" / "stopped.json").exists()  # a failure, not a stop
     finally:
         ray.shutdown()

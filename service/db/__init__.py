@@ -1,1 +1,0 @@
-"""qkscope's own tables (prefix `qk_`, beside Optuna's) and how to reach them."""

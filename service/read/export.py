@@ -1,0 +1,399 @@
+"""A study's results as tables, streamed: CSV, Parquet, or a zip of both tables.
+
+Two tables:
+
+- trials: one row per trial; the trial's columns, its summary numbers and flags, its
+  collapse class, and one `params.<path>` column per parameter;
+- metrics: the long table of every stored metric value: `number` (the trial number),
+  `trial_id`, `name`, `layer`, `head` (empty where the metric has none), `step`, `value`.
+
+Both are read with server-side cursors in batches and written batch by batch (a CSV
+chunk, a Parquet row group, a zip deflate block), so memory stays flat however many
+metric rows a study has.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.read.plots import collapse_class
+from service.store.models import NO_INDEX, SUMMARY_COLUMNS, Metric, Study, Trial
+from service.store.session import session_scope
+from workers.metric_names import SUMMARIES
+
+__all__ = [
+    "BATCH_ROWS",
+    "MEDIA_TYPES",
+    "METRIC_COLUMNS",
+    "ExportFormat",
+    "export_stream",
+    "trial_columns",
+]
+
+ExportFormat = Literal["csv", "parquet"]
+BATCH_ROWS = 20_000
+
+# (column, arrow type name) of the fixed part of the trials table, in order.
+_BASE = [
+    ("study_id", "int64"),
+    ("trial_id", "int64"),
+    ("number", "int64"),
+    ("state", "string"),
+    ("value", "float64"),
+]
+_AFTER_VALUES = [
+    ("feasible", "bool"),
+    ("seed", "int64"),
+    ("attempts", "int64"),
+    ("node", "string"),
+    ("last_step", "int64"),
+    ("penalty_version", "int64"),
+    ("metric_rows", "int64"),
+    ("started_at", "timestamp"),
+    ("finished_at", "timestamp"),
+    ("duration_s", "float64"),
+    ("error", "string"),
+    ("status", "string"),  # the trial summary's status: completed, pruned, diverged
+]
+# Every summary metric of the registry, typed as it says, then the collapse class.
+_ARROW_TYPE = {"float": "float64", "int": "int64", "bool": "bool"}
+_SUMMARY = [(m.name, _ARROW_TYPE[m.type]) for m in SUMMARIES] + [("collapse_class", "string")]
+_TRIAL_ATTRS = {"value", "feasible", "seed", "attempts", "node", "last_step", "metric_rows"}
+_TRIAL_ATTRS |= {"penalty_version"}
+_TRIAL_ATTRS |= {"started_at", "finished_at", "duration_s", "error", "state", "number"}
+_SUMMARY_COLUMNS_ON_TRIAL = set(SUMMARY_COLUMNS)
+METRIC_COLUMNS = [
+    ("number", "int64"),
+    ("trial_id", "int64"),
+    ("name", "string"),
+    ("layer", "int64"),
+    ("head", "int64"),
+    ("step", "int64"),
+    ("value", "float64"),
+]
+
+
+@dataclass(frozen=True)
+class _Table:
+    name: str
+    columns: list[tuple[str, str]]
+    batches: Callable[[Session], Iterator[list[list[Any]]]]  # rows, a batch at a time
+
+
+# ---- the trials table --------------------------------------------------------------------------
+
+
+def _param_type(values: list[Any]) -> str:
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return "bool"
+    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return "int64"
+    if present and all(isinstance(v, int | float) and not isinstance(v, bool) for v in present):
+        return "float64"
+    if not present:
+        return "float64"
+    return "string"
+
+
+def _param_columns(session: Session, study: Study) -> list[tuple[str, str]]:
+    """One column per search-space path (then any other key found), typed by its values."""
+    seen: dict[str, list[Any]] = {p: [] for p in study.spec.get("search_space", {})}
+    for params in session.scalars(select(Trial.params).where(Trial.study_id == study.id)):
+        for k, v in (params or {}).items():
+            seen.setdefault(k, []).append(v)
+    return [(f"params.{k}", _param_type(v)) for k, v in seen.items()]
+
+
+def trial_columns(session: Session, study: Study) -> list[tuple[str, str]]:
+    """(name, type) of every column of the study's trials table, in order."""
+    n_obj = len(study.spec.get("objectives") or [{}])
+    values = [(f"values.{i}", "float64") for i in range(n_obj)] if n_obj > 1 else []
+    return _BASE + values + _AFTER_VALUES + _SUMMARY + _param_columns(session, study)
+
+
+def _trial_row(t: Trial, columns: list[tuple[str, str]]) -> list[Any]:
+    summary = t.summary or {}
+    row: list[Any] = []
+    for name, kind in columns:
+        v: Any
+        if name == "study_id":
+            v = t.study_id
+        elif name == "trial_id":
+            v = t.id
+        elif name.startswith("values."):
+            i = int(name.removeprefix("values."))
+            v = t.values[i] if t.values and i < len(t.values) else None
+        elif name.startswith("params."):
+            v = (t.params or {}).get(name.removeprefix("params."))
+            if kind == "string" and v is not None and not isinstance(v, str):
+                v = json.dumps(v)
+        elif name == "collapse_class":
+            v = collapse_class(t)
+        elif name == "status":
+            v = summary.get("status")
+        elif name in _TRIAL_ATTRS or name in _SUMMARY_COLUMNS_ON_TRIAL:
+            v = getattr(t, name)
+            if v is None and name in _SUMMARY_COLUMNS_ON_TRIAL:
+                v = summary.get(name)
+        else:
+            v = summary.get(name)
+        if v is not None and kind == "int64" and isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if v is not None and kind == "float64" and not isinstance(v, bool):
+            v = float(v)
+        row.append(v)
+    return row
+
+
+_Batches = Callable[[Session], Iterator[list[list[Any]]]]
+
+
+def _trial_batches(study_id: int, columns: list[tuple[str, str]], batch: int) -> _Batches:
+    def batches(session: Session) -> Iterator[list[list[Any]]]:
+        q = (
+            select(Trial)
+            .where(Trial.study_id == study_id)
+            .order_by(Trial.number)
+            .execution_options(yield_per=min(batch, 1000))
+        )
+        rows: list[list[Any]] = []
+        for t in session.scalars(q):
+            rows.append(_trial_row(t, columns))
+            if len(rows) >= batch:
+                yield rows
+                rows = []
+        if rows:
+            yield rows
+
+    return batches
+
+
+# ---- the metrics table -------------------------------------------------------------------------
+
+
+def _metric_batches(study_id: int, batch: int) -> _Batches:
+    def batches(session: Session) -> Iterator[list[list[Any]]]:
+        trials = session.execute(
+            select(Trial.number, Trial.id).where(Trial.study_id == study_id).order_by(Trial.number)
+        ).all()
+        rows: list[list[Any]] = []
+        for number, trial_id in trials:
+            # Per trial, in primary-key order: an index range scan, no sort of the whole study.
+            q = (
+                select(Metric.name, Metric.layer, Metric.head, Metric.step, Metric.value)
+                .where(Metric.trial_id == trial_id)
+                .order_by(Metric.name, Metric.layer, Metric.head, Metric.step)
+                .execution_options(yield_per=batch)
+            )
+            for name, layer, head, step, value in session.execute(q):
+                rows.append(
+                    [
+                        number,
+                        trial_id,
+                        name,
+                        None if layer == NO_INDEX else layer,
+                        None if head == NO_INDEX else head,
+                        step,
+                        value,
+                    ]
+                )
+                if len(rows) >= batch:
+                    yield rows
+                    rows = []
+        if rows:
+            yield rows
+
+    return batches
+
+
+# ---- writers ------------------------------------------------------------------------------------
+
+
+class _Sink:
+    """A write-only, non-seekable byte sink that the stream drains after every batch."""
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._pos = 0
+        self.closed = False
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:
+        data = bytes(b)
+        self._chunks.append(data)
+        self._pos += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
+
+    def drain(self) -> bytes:
+        out = b"".join(self._chunks)
+        self._chunks.clear()
+        return out
+
+
+class _Counting:
+    """Adds tell() to a write-only file (a zip member) for pyarrow's Parquet writer."""
+
+    def __init__(self, f: Any) -> None:
+        self._f, self._pos, self.closed = f, 0, False
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:
+        n: int = self._f.write(b)
+        self._pos += len(b)
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self.closed = True  # the zip member is closed by its owner
+
+    def writable(self) -> bool:
+        return True
+
+
+def _csv_cell(v: Any) -> Any:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, datetime):
+        return (v if v.tzinfo else v.replace(tzinfo=UTC)).isoformat()
+    if isinstance(v, float):
+        return repr(v)  # shortest text that reads back as the same float
+    return v
+
+
+def _write_csv(table: _Table, session: Session, out: Any) -> Iterator[None]:
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow([c for c, _ in table.columns])
+    for rows in table.batches(session):
+        writer.writerows([_csv_cell(v) for v in r] for r in rows)
+        out.write(text.getvalue().encode())
+        text.seek(0)
+        text.truncate()
+        yield
+    if text.tell():
+        out.write(text.getvalue().encode())
+    yield
+
+
+def _arrow_schema(columns: list[tuple[str, str]]) -> Any:
+    import pyarrow as pa
+
+    types = {
+        "int64": pa.int64(),
+        "float64": pa.float64(),
+        "bool": pa.bool_(),
+        "string": pa.string(),
+        "timestamp": pa.timestamp("us", tz="UTC"),
+    }
+    return pa.schema([(name, types[kind]) for name, kind in columns])
+
+
+def _arrow_value(v: Any) -> Any:
+    if isinstance(v, datetime) and v.tzinfo is None:
+        return v.replace(tzinfo=UTC)  # SQLite hands naive datetimes back; they were stored UTC
+    return v
+
+
+def _write_parquet(table: _Table, session: Session, out: Any) -> Iterator[None]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = _arrow_schema(table.columns)
+    with pq.ParquetWriter(pa.PythonFile(out, mode="w"), schema, compression="zstd") as writer:
+        wrote = False
+        for rows in table.batches(session):
+            cols = list(zip(*rows, strict=True))
+            arrays = [
+                pa.array([_arrow_value(v) for v in col], type=field.type)
+                for col, field in zip(cols, schema, strict=True)
+            ]
+            writer.write_table(pa.Table.from_arrays(arrays, schema=schema))
+            wrote = True
+            yield
+        if not wrote:
+            writer.write_table(schema.empty_table())
+    yield
+
+
+_WRITERS = {"csv": _write_csv, "parquet": _write_parquet}
+MEDIA_TYPES = {"csv": "text/csv; charset=utf-8", "parquet": "application/vnd.apache.parquet"}
+
+
+def export_plan(
+    session: Session, study: Study, what: Literal["trials", "metrics", "both"], batch: int
+) -> list[_Table]:
+    tables = []
+    if what in ("trials", "both"):
+        cols = trial_columns(session, study)
+        tables.append(_Table("trials", cols, _trial_batches(study.id, cols, batch)))
+    if what in ("metrics", "both"):
+        tables.append(_Table("metrics", METRIC_COLUMNS, _metric_batches(study.id, batch)))
+    return tables
+
+
+def export_stream(
+    sessions: sessionmaker[Session],
+    study_id: int,
+    fmt: ExportFormat,
+    what: Literal["trials", "metrics", "both"],
+    *,
+    batch: int = BATCH_ROWS,
+) -> Iterator[bytes]:
+    """The bytes of one table (`what` = trials or metrics) or of a zip holding both tables
+    (`what` = both: trials.<fmt> and metrics.<fmt>), chunk by chunk.
+
+    Opens its own session (read-only work, one transaction), so it can run after the
+    request's session is gone; the study must exist."""
+    sink = _Sink()
+    write = _WRITERS[fmt]
+    with session_scope(sessions) as session:
+        study = session.get(Study, study_id)
+        if study is None:
+            raise LookupError(f"study {study_id} does not exist")
+        tables = export_plan(session, study, what, batch)
+        if what != "both":
+            for _ in write(tables[0], session, sink):
+                if chunk := sink.drain():
+                    yield chunk
+            return
+        stamp = datetime.now(UTC).timetuple()[:6]
+        method = zipfile.ZIP_DEFLATED if fmt == "csv" else zipfile.ZIP_STORED
+        with zipfile.ZipFile(sink, "w") as zf:
+            for table in tables:
+                info = zipfile.ZipInfo(f"{table.name}.{fmt}", date_time=stamp)
+                info.compress_type = method
+                info.external_attr = 0o644 << 16
+                with zf.open(info, "w", force_zip64=True) as member:
+                    for _ in write(table, session, _Counting(member)):
+                        if chunk := sink.drain():
+                            yield chunk
+        if chunk := sink.drain():
+            yield chunk

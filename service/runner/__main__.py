@@ -1,0 +1,3 @@
+from service.runner.job import main
+
+raise SystemExit(main())

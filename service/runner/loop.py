@@ -1,0 +1,249 @@
+"""One study's runner loop: schedule -> run -> post-process, until the budget is spent.
+
+- schedule: ask Optuna for a trial whenever a slot waits for one, and place waiting trials
+  in slot workers (service/runner/scheduler.py);
+- run: wait until workers say something or a worker's task ends (service/runner/pool.py);
+- post-process: store starts and reports and answer pruning (service/runner/reports.py);
+  record each trial's outcome once its reports are stored and tell Optuna
+  (service/runner/results.py, service/store/); relaunch what a lost worker held.
+
+Every row goes through the store (service/store/), every Optuna call through `Search`, every
+Ray call through the pool; the scheduler alone moves a trial's status. A rerun of the same
+study (after the job or the cluster died) picks up where the database says it stopped:
+trials that were running are relaunched with the same parameters and resume from their
+checkpoints; a trial our table recorded but Optuna never heard of is told as recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+from service.config import Settings
+from service.runner import configs
+from service.runner.pool import Ended, RayPool
+from service.runner.records import TrialRecord
+from service.runner.reports import Reports
+from service.runner.results import judge, judge_stored, result_row
+from service.runner.scheduler import Scheduler
+from service.runner.search import Search
+from service.runner.waiting import WaitingReason
+from service.spec import SpecError, StudySpec
+from service.store import Store
+from service.store.models import OPEN_TRIAL_STATES, StudyStatus, TrialState
+from service.store.optuna import optuna_storage
+from service.store.session import make_sessionmaker
+from service.store.studies import TERMINAL
+from workers.config import TrialConfig
+from workers.messages import Batch, Failed
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+__all__ = ["FLUSH_TIMEOUT_S", "POLL_S", "StudyRunner"]
+
+log = logging.getLogger("qkscope.runner")
+POLL_S = 1.0  # how often the loop looks for a cancel when no worker woke it
+FLUSH_TIMEOUT_S = 60.0  # a finished trial waits at most this long for its last reports
+
+
+class StudyRunner:
+    """One study's control loop. All database, Optuna and Ray calls happen on this thread."""
+
+    def __init__(self, study_id: int, settings: Settings, engine: Engine) -> None:
+        self.study_id, self.settings = study_id, settings
+        self.store = Store(make_sessionmaker(engine))
+        row = self.store.studies.get(study_id)
+        if row is None:
+            raise LookupError(f"study {study_id} not found")
+        self.spec = StudySpec.model_validate(row.spec)
+        self.status = StudyStatus(row.status)
+        # whose checkpoints: a new study with the same id (a reset database) is another
+        self.owner = f"study-{study_id}@{row.created_at.isoformat()}"
+        self.storage = optuna_storage(settings.resolved_database_url())
+        self.search = Search(self.spec, study_id, self.storage)
+        self.waiting = WaitingReason(self.spec, self.store.studies, study_id)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> StudyStatus:
+        if self.status in TERMINAL:
+            return self.status
+        self.store.studies.set_status(self.study_id, StudyStatus.RUNNING)
+        self.pool = RayPool(self.spec)
+        self.scheduler = Scheduler(self.spec, self.study_id, self.pool)
+        self.reports = Reports(self.spec, self.store.trials, self.search, self.pool.stop_trial)
+        try:
+            for rec in self._resume():
+                self.scheduler.add(rec)
+            asked, t0 = self.search.asked(), time.monotonic()
+            while True:
+                if self.store.studies.status(self.study_id) == StudyStatus.CANCELLED:
+                    self._cancel()
+                    return StudyStatus.CANCELLED
+                asked = self._schedule(asked, t0)
+                if not self.scheduler.busy():
+                    break
+                batch, ended = self.pool.wait(POLL_S)
+                self._post_process(batch, ended)
+        finally:
+            self.pool.close_inbox()
+        self.store.studies.set_status(self.study_id, StudyStatus.COMPLETED)
+        return StudyStatus.COMPLETED
+
+    def _schedule(self, asked: int, t0: float) -> int:
+        """Place waiting trials; ask one more for each slot that still waits (or a look
+        ahead: see `Scheduler.may_ask`); close workers nothing will come to. Returns how
+        many trials the study has asked."""
+        timeout = self.spec.budget.timeout_s
+        out_of_time = timeout is not None and time.monotonic() - t0 > timeout
+        self.scheduler.schedule()
+        while (
+            self.scheduler.may_ask()
+            and self.scheduler.room() > 0
+            and asked < self.spec.budget.n_trials
+            and not out_of_time
+        ):
+            self._ask()
+            asked += 1
+            self.scheduler.schedule()
+        self.scheduler.close_idle(asked < self.spec.budget.n_trials and not out_of_time)
+        return asked
+
+    def _post_process(self, batch: Batch, ended: list[Ended]) -> None:
+        started = [(m, r) for m in batch.starts if (r := self.scheduler.started(m)) is not None]
+        self.reports.record_starts(started)
+        self.reports.store(batch.reports, self.scheduler.records)
+        for end in batch.ends:
+            rec = self.scheduler.ended(end)
+            if rec is not None and isinstance(end, Failed):
+                self._fail(rec, end.reason)
+        for e in ended:
+            if e.done is not None:
+                log.info(
+                    "%s ended: %d member-steps computed for %d members",
+                    e.name,
+                    e.done.steps,
+                    e.done.members,
+                )
+            else:
+                log.warning("%s ended: %s", e.name, e.error)
+            for rec, reason in self.scheduler.worker_ended(e.name, e.error):
+                self._fail(rec, reason)
+        self._record_finished()
+        self.waiting.check(self.scheduler.queued_rows())
+
+    # ---- trials in and out ---------------------------------------------------------------
+
+    def _ask(self) -> None:
+        trial = self.search.ask(
+            self.scheduler.records.keys(),
+            lambda numbers: self.store.trials.recorded_numbers(self.study_id, numbers),
+        )
+        if (rec := self._new_record(trial)) is not None:
+            self.scheduler.add(rec)
+
+    def _new_record(self, trial: optuna.Trial) -> TrialRecord | None:
+        """Record an asked trial QUEUED; one whose parameters make no valid config (or that
+        Optuna cannot suggest) fails alone, with the reason, and gives None: a point of the
+        search space never fails the whole study."""
+        params: dict[str, Any] = {}
+        problem = None
+        try:
+            params = self.search.suggest(trial)
+            config = configs.trial_config(
+                self.spec, self.settings, self.study_id, params, trial.number, owner=self.owner
+            )
+        except (SpecError, ValueError) as e:
+            config, problem = None, f"invalid parameters {params}: {e}"
+        seed = params.get("seed", self.spec.base.seed)
+        row_id = self.store.trials.insert_queued(
+            self.study_id, trial.number, params, int(seed) if isinstance(seed, int) else 0
+        )
+        rec = self._record(trial, row_id, params, config)
+        if problem is not None:
+            self._fail(rec, problem)
+            return None
+        return rec
+
+    def _record(
+        self, trial: optuna.Trial, row_id: int, params: dict[str, Any], config: TrialConfig | None
+    ) -> TrialRecord:
+        key, slots = (
+            ("", 1) if config is None else configs.slot_key(self.spec, config, trial.number)
+        )
+        return TrialRecord(trial, row_id, params, config, key=key, slots=slots)
+
+    def _resume(self) -> list[TrialRecord]:
+        """Trials Optuna still has RUNNING after a dead runner: relaunched, told as our
+        table recorded them (ours is the record of truth), or adopted when the dead runner
+        asked them and died before writing their row."""
+        out: list[TrialRecord] = []
+        for ft in self.search.running():
+            trial = self.search.trial(ft)
+            row = self.store.trials.claim_orphan(self.study_id, ft.number)
+            if row is None:
+                if (rec := self._new_record(trial)) is not None:
+                    out.append(rec)
+                continue
+            state = TrialState(row.state)
+            if state in (TrialState.FAILED, TrialState.CANCELLED):
+                self.search.tell_failed(trial)
+            elif state not in OPEN_TRIAL_STATES:
+                j = judge_stored(self.spec, state, row.summary, row.values)
+                self.search.tell(trial, j.status, j.state, j.values, j.constraints)
+                log.info("trial %d was recorded %s before the runner died", row.number, state)
+            else:
+                config = configs.trial_config(
+                    self.spec, self.settings, self.study_id, dict(row.params), row.number,
+                    owner=self.owner,
+                )  # fmt: skip
+                out.append(self._record(trial, row.id, dict(row.params), config))
+                log.info("relaunching trial %d (attempt %d)", row.number, row.attempts)
+        return out
+
+    def _record_finished(self, force: bool = False) -> None:
+        """Record the finished trials whose reports are all stored (or waited long enough)."""
+        for rec in self.scheduler.finishing():
+            late = time.monotonic() - rec.finishing_since >= FLUSH_TIMEOUT_S
+            if not (rec.reports_in() or late or force):
+                continue
+            end = rec.result
+            assert end is not None
+            if not rec.reports_in():
+                log.warning(
+                    "trial %d: not all %d reports arrived; finishing", rec.number, end.reports_sent
+                )
+            judged = judge(
+                self.spec,
+                end.summary,
+                lambda: self.store.trials.best_final_val_loss(self.study_id),
+            )
+            row = result_row(judged, end, time.monotonic() - rec.launched)
+            if self.store.trials.record_result(rec.row_id, row):
+                self.search.tell(
+                    rec.trial, judged.status, judged.state, judged.values, judged.constraints
+                )
+            self.scheduler.done(rec)
+
+    def _fail(self, rec: TrialRecord, reason: str) -> None:
+        """Record a failure at once (unless the row ended first) and tell Optuna FAIL."""
+        self.store.trials.record_failure(rec.row_id, reason, time.monotonic() - rec.launched)
+        self.search.tell_failed(rec.trial)
+        self.scheduler.done(rec)
+        log.warning("trial %d failed: %s", rec.number, reason)
+
+    def _cancel(self) -> None:
+        """The study was cancelled: stop the workers, keep what arrived before, close the
+        rest (ours and Optuna's)."""
+        self.pool.cancel_all()
+        self._record_finished(force=True)
+        rows = self.scheduler.clear()
+        self.close_open(TrialState.CANCELLED, "study cancelled")
+        self.store.trials.recount(rows)
+
+    def close_open(self, state: TrialState, reason: str) -> None:
+        self.store.trials.finish_open(self.study_id, state, reason, self.storage)

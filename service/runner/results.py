@@ -1,0 +1,111 @@
+"""A trial's result judged against its study: its state, objective values, constraint
+violations, and whether it ended trapped on a plateau.
+
+A worker's summary knows only its own trial; `trapped` also needs the study's best final
+loss so far, so it is judged here. The worker's summary is never changed: the stored
+summary is a copy with the study's verdict in it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from service.spec import StudySpec
+from service.store.models import TrialState
+from service.store.trials import ResultRow
+from workers import curves as M
+from workers.config import TrialSummary
+from workers.messages import Stopped
+
+__all__ = ["STATES", "Judged", "judge", "judge_stored", "result_row"]
+
+STATES = {
+    "completed": TrialState.COMPLETE,
+    "pruned": TrialState.PRUNED,
+    "diverged": TrialState.DIVERGED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    status: str  # the worker's: completed, pruned, diverged
+    state: TrialState
+    summary: dict[str, Any]  # as stored
+    values: list[float]  # objective values (the worst value where there is none)
+    constraints: list[float]  # Optuna's convention: <= 0 is feasible
+
+    @property
+    def feasible(self) -> bool:
+        return all(c <= 0 for c in self.constraints)
+
+
+def _values(spec: StudySpec, summary: dict[str, Any], diverged: bool) -> list[float]:
+    out: list[float] = []
+    for obj in spec.objectives:
+        v = summary.get(obj.metric)
+        worst = math.inf if obj.direction == "minimize" else -math.inf
+        out.append(worst if v is None or diverged else float(v))
+    return out
+
+
+def _constraints(spec: StudySpec, summary: dict[str, Any]) -> list[float]:
+    steps = int(spec.base.steps)
+    return [c.violation(summary, steps) for c in spec.constraints] or [0.0]
+
+
+def judge(spec: StudySpec, summary: TrialSummary, best_loss: Callable[[], float | None]) -> Judged:
+    """A returned trial's outcome; `best_loss` reads the study's best final validation loss
+    (only when `trapped` needs it)."""
+    stored = summary.model_dump(mode="json")
+    if summary.eval_steps and not summary.trapped:
+        final = summary.final_val_loss
+        stored["trapped"] = bool(
+            final is not None
+            and M.is_trapped(
+                [(int(a), int(b)) for a, b in summary.plateaus],
+                summary.eval_steps[-1],
+                final,
+                best_loss(),
+                float(spec.base.trapped_rel_gap),
+            )
+        )
+    status = summary.status
+    return Judged(
+        status,
+        STATES[status],
+        stored,
+        _values(spec, stored, status == "diverged"),
+        _constraints(spec, stored),
+    )
+
+
+def judge_stored(
+    spec: StudySpec, state: TrialState, summary: dict[str, Any] | None, values: list[Any] | None
+) -> Judged:
+    """The outcome our table recorded (told to Optuna after a runner restart)."""
+    summary = summary or {}
+    stored = values or [None] * len(spec.objectives)
+    vals = [
+        (math.inf if o.direction == "minimize" else -math.inf) if v is None else float(v)
+        for o, v in zip(spec.objectives, stored, strict=False)
+    ]
+    return Judged(
+        str(summary.get("status", "completed")), state, summary, vals, _constraints(spec, summary)
+    )
+
+
+def result_row(judged: Judged, end: Stopped, duration_s: float) -> ResultRow:
+    return ResultRow(
+        state=judged.state,
+        summary=judged.summary,
+        node=end.node,
+        values=judged.values,
+        feasible=judged.feasible,
+        last_step=int(judged.summary.get("steps_done", 0)),
+        started_at=end.started_at,
+        finished_at=end.finished_at,
+        duration_s=duration_s,
+    )

@@ -1,0 +1,221 @@
+"""The scheduler: which trial waits, which slot worker holds which trial, and every record's
+status (it is the only code that changes one; see service/runner/records.py).
+
+Its shape is a continuous-batching scheduler's: a waiting queue, the running workers, and a
+budget (`parallelism` workers of up to `fuse` member slots each). `schedule` admits waiting
+trials while slots allow, a slot is free the moment its member's end arrives, and a worker
+that is no longer needed is closed. A trial goes only to a worker of its slot key
+(`TrialRecord.key`). It starts no Ray task itself: the pool does (`Pool`).
+
+Every end names its sender: an end from a worker that no longer holds the trial (it was
+handed back and placed again, or its worker was given up for dead) changes nothing. The
+runner hands a worker's end here only after every message the worker sent has been read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from service.runner.records import Status, TrialRecord
+from service.spec import HISTORY_FREE_SAMPLERS, StudySpec
+from workers.messages import Assignment, End, Failed, HandedBack, Started, Stopped
+
+__all__ = ["Pool", "Scheduler", "SlotWorker"]
+
+
+class Pool(Protocol):
+    """Starts and talks to slot workers (service/runner/pool.py: Ray tasks and the inbox)."""
+
+    def start(self, name: str, capacity: int, first: list[Assignment]) -> None: ...
+    def assign(self, name: str, items: list[Assignment]) -> None: ...
+    def close(self, name: str) -> None: ...
+
+
+@dataclass(eq=False)
+class SlotWorker:
+    """One slot worker as the scheduler books it."""
+
+    name: str
+    key: str
+    capacity: int
+    members: set[int] = field(default_factory=set)  # trial numbers placed, not ended
+    closed: bool = False
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.members)
+
+
+class Scheduler:
+    """Records, the waiting queue and the slot workers of one study's runner."""
+
+    def __init__(self, spec: StudySpec, study_id: int, pool: Pool) -> None:
+        self.spec, self.study_id, self.pool = spec, study_id, pool
+        self.records: dict[int, TrialRecord] = {}  # by trial number, until DONE
+        self.waiting: deque[TrialRecord] = deque()
+        self.workers: dict[str, SlotWorker] = {}
+        self.slots_for: dict[str, int] = {}  # a key's slot count a worker said fits
+        self._serial = 0
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def add(self, rec: TrialRecord, *, front: bool = False) -> None:
+        """A trial to run (asked, or resumed after a dead runner): it waits for a slot."""
+        self.records[rec.number] = rec
+        self._wait(rec, front)
+
+    def _wait(self, rec: TrialRecord, front: bool) -> None:
+        rec.status, rec.worker = Status.ASKED, None
+        if front:
+            self.waiting.appendleft(rec)
+        else:
+            self.waiting.append(rec)
+
+    def room(self) -> int:
+        """Slots a new trial could take now: free ones in open workers, and whole workers
+        that may still be started."""
+        free = sum(w.free for w in self.workers.values() if not w.closed)
+        return free + (self.spec.parallelism - len(self.workers)) * self.spec.slots
+
+    def may_ask(self) -> bool:
+        """Whether to ask for another trial now that the waiting ones are placed where they
+        fit: only with nothing waiting, except for samplers whose proposals ignore results
+        (random, grid), which may look ahead up to `slots x parallelism` trials so that
+        workers fill with trials of their own architecture (asking ahead changes nothing
+        such a sampler proposes)."""
+        if not self.waiting:
+            return True
+        if self.spec.slots == 1 or self.spec.sampler.kind not in HISTORY_FREE_SAMPLERS:
+            return False
+        return len(self.waiting) < self.spec.slots * self.spec.parallelism
+
+    def schedule(self) -> None:
+        """Place waiting trials, in order, where a slot of their key is free or a worker
+        may still be started; the others keep waiting."""
+        for rec in list(self.waiting):
+            assert rec.config is not None
+            key, slots = rec.key, rec.slots
+            item = Assignment(rec.number, rec.config.model_dump(mode="json", by_alias=True))
+            worker = next(
+                (w for w in self.workers.values() if not w.closed and w.key == key and w.free > 0),
+                None,
+            )
+            if worker is not None:
+                self.pool.assign(worker.name, [item])
+            elif len(self.workers) < self.spec.parallelism:
+                name = f"study-{self.study_id}/worker-{self._serial}"
+                self._serial += 1
+                worker = SlotWorker(name, key, min(slots, self.slots_for.get(key, slots)))
+                self.workers[name] = worker
+                self.pool.start(name, worker.capacity, [item])
+            else:
+                continue
+            worker.members.add(rec.number)
+            self.waiting.remove(rec)
+            rec.status, rec.worker = Status.PLACED, worker.name
+
+    def close_idle(self, more_to_ask: bool) -> None:
+        """Workers that no trial will come to are told so (they exit when empty): all of
+        them once nothing is left to ask; idle ones whose key no waiting trial has (so a
+        worker of a waiting trial's key can start in their place)."""
+        if more_to_ask and not self.waiting:
+            return
+        keep = {rec.key for rec in self.waiting}
+        for w in self.workers.values():
+            if w.closed or (self.waiting and (w.key in keep or w.members)):
+                continue
+            self._close(w)
+
+    def _close(self, w: SlotWorker) -> None:
+        w.closed = True
+        self.pool.close(w.name)
+
+    # ---- what workers say --------------------------------------------------------------------
+
+    def _held(self, trial: int, worker: str) -> TrialRecord | None:
+        """The trial's record if `worker` holds it now (else the message is stale)."""
+        rec = self.records.get(trial)
+        if rec is None or rec.worker != worker:
+            return None
+        return rec
+
+    def started(self, msg: Started) -> TrialRecord | None:
+        rec = self._held(msg.trial, msg.worker)
+        if rec is None:
+            return None
+        rec.status = Status.RUNNING
+        rec.starts += 1
+        return rec
+
+    def ended(self, msg: End) -> TrialRecord | None:
+        """A member's end. Stopped: FINISHING, returned (record it once its reports are in);
+        Failed: returned (record the failure, then `done`); handed back: it waits again,
+        and the sender's key gets at most the slots it found room for."""
+        rec = self._held(msg.trial, msg.worker)
+        if rec is None:
+            return None
+        worker = self.workers[msg.worker]
+        worker.members.discard(rec.number)
+        if isinstance(msg, HandedBack):
+            self.slots_for[worker.key] = min(msg.slots, self.slots_for.get(worker.key, msg.slots))
+            worker.capacity = min(worker.capacity, max(len(worker.members), 1), msg.slots)
+            if not worker.members and not worker.closed:  # e.g. out of memory: it exits
+                self._close(worker)
+            self._wait(rec, front=True)
+            return None
+        if isinstance(msg, Stopped):
+            rec.status, rec.worker = Status.FINISHING, None
+            rec.result, rec.finishing_since = msg, time.monotonic()
+            return rec
+        assert isinstance(msg, Failed)
+        return rec
+
+    def worker_ended(self, name: str, error: str | None) -> list[tuple[TrialRecord, str]]:
+        """A worker's task ended (every message it sent has been handed here). Members it
+        still held wait for a slot again (each resumes from its checkpoint), except those
+        lost with workers more than `max_retries` times (started or not: a worker that dies
+        before it starts anything, e.g. on a node without the GPU it was given, must not
+        relaunch its trials for ever): returned with the reason, to fail."""
+        worker = self.workers.pop(name)
+        give_up: list[tuple[TrialRecord, str]] = []
+        reason = error or "its worker ended without finishing it"
+        for number in sorted(worker.members):
+            rec = self.records[number]
+            rec.losses += 1  # every loss counts: no trial is relaunched for ever
+            if rec.losses > self.spec.max_retries:
+                give_up.append((rec, reason))
+            else:
+                self._wait(rec, front=True)
+        return give_up
+
+    # ---- outcomes ---------------------------------------------------------------------------
+
+    def finishing(self) -> list[TrialRecord]:
+        return [r for r in self.records.values() if r.status == Status.FINISHING]
+
+    def done(self, rec: TrialRecord) -> None:
+        """The trial's outcome is recorded: it leaves (a late message of it finds nothing)."""
+        rec.status, rec.worker = Status.DONE, None
+        self.records.pop(rec.number, None)
+        if rec in self.waiting:
+            self.waiting.remove(rec)
+
+    def clear(self) -> list[int]:
+        """Forget everything (a cancel); returns the row ids of the records it held."""
+        rows = [r.row_id for r in self.records.values()]
+        self.records.clear()
+        self.waiting.clear()
+        self.workers.clear()
+        return rows
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(self.records or self.workers)
+
+    def queued_rows(self) -> list[int]:
+        """Row ids of trials that have not started anywhere yet."""
+        return [r.row_id for r in self.records.values() if r.queued]

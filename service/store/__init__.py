@@ -1,0 +1,39 @@
+"""The row store: qkscope's own tables (prefix `qk_`, beside Optuna's) and the only code that
+writes them.
+
+Contract (tests/service/store/test_contract.py runs it on SQLite and PostgreSQL):
+
+- **One writer.** Every INSERT, UPDATE and DELETE of `qk_study`, `qk_trial` and `qk_metric`
+  is a method of `StudyRows` or `TrialRows`. The read side gets sessions from
+  `make_reader`, which refuse any write.
+- **Whole transactions.** Each method is one transaction: it commits as a whole or not at
+  all. The runner's methods retry after a dropped connection or a locked database
+  (`with_retry`), so each is safe to repeat.
+- **Ends are conditional.** A study's terminal status is never left (`set_status` only
+  matches a live row). A trial ends once: an ending only matches a QUEUED or RUNNING row,
+  so whoever ends it first (a result, a failure, a cancel) wins, and the late writer only
+  recounts the metric rows stored.
+- **Replays are no-ops.** A metric row that is already stored is skipped (its primary key);
+  `last_step` never goes backwards; a retried insert of a queued trial returns the row the
+  lost try committed.
+- **Launches are claimed.** A runner-job attempt is claimed against the attempts the caller
+  saw, and its job id is recorded before the job is submitted.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.store.studies import StudyRows
+from service.store.trials import TrialRows
+
+__all__ = ["Store"]
+
+
+class Store:
+    """The writers of one database, for one process."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
+        self.studies = StudyRows(sessions)
+        self.trials = TrialRows(sessions)

@@ -1,0 +1,317 @@
+"""Trial rows and their metric rows: queued, started, reported, and ended once.
+
+A trial row is written QUEUED right after Optuna's ask, RUNNING when its worker says it
+started, and ended exactly once (COMPLETE, PRUNED, DIVERGED, FAILED, CANCELLED). Every
+ending is an `UPDATE ... WHERE state IN (QUEUED, RUNNING)`: whoever ends a trial first (the
+runner with a result, the API with a cancel) wins, and a late writer changes nothing but the
+count of stored metric rows. Metric rows go in one transaction per batch; a replayed report
+is a no-op (the metric primary key).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import optuna
+from sqlalchemy import case, func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.store.ingest import insert_metrics
+from service.store.models import (
+    CURRENT_PENALTY_VERSION,
+    NO_INDEX,
+    OPEN_TRIAL_STATES,
+    SUMMARY_COLUMNS,
+    Metric,
+    Trial,
+    TrialState,
+    stored_metric_rows,
+    utcnow,
+)
+from service.store.optuna import fail_optuna_trials
+from service.store.session import session_scope, with_retry
+
+__all__ = ["MetricRow", "ResultRow", "StartRow", "TrialRows"]
+
+# (name, layer, head, value) of one stored number; layer/head None where it has none.
+MetricRow = tuple[int, int, str, int | None, int | None, float]  # (row id, step, *point)
+
+
+@dataclass(frozen=True, slots=True)
+class StartRow:
+    """A task execution of a trial began: where, and (first one only) when."""
+
+    node: str
+    retries: int  # executions after the first, since the last write
+    first_at: float | None  # unix time of the first execution, None if not in this batch
+
+
+@dataclass(frozen=True, slots=True)
+class ResultRow:
+    """A trial's ending with a result, as stored."""
+
+    state: TrialState
+    summary: dict[str, Any]
+    node: str | None
+    values: list[float]
+    feasible: bool
+    last_step: int
+    started_at: float | None  # the worker's own clock (unix time)
+    finished_at: float | None
+    duration_s: float  # used when the worker gave no times
+
+
+class TrialRows:
+    """The writes of `qk_trial` and `qk_metric` (and the reads their writers need)."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
+
+    # ---- queued and started ----------------------------------------------------------------
+
+    def insert_queued(self, study_id: int, number: int, params: dict[str, Any], seed: int) -> int:
+        """The row of a trial Optuna just asked (QUEUED); the existing row's id when a retry
+        finds the row the lost try committed."""
+
+        def write() -> int:
+            with session_scope(self.sessions) as s:
+                found = s.scalar(
+                    select(Trial.id).where(Trial.study_id == study_id, Trial.number == number)
+                )
+                if found is not None:
+                    return int(found)
+                row = Trial(
+                    study_id=study_id,
+                    number=number,
+                    params=params,
+                    seed=seed,
+                    penalty_version=CURRENT_PENALTY_VERSION,
+                    state=TrialState.QUEUED,
+                )
+                s.add(row)
+                s.flush()
+                return row.id
+
+        return with_retry(write, "insert trial")
+
+    def claim_orphan(self, study_id: int, number: int) -> Trial | None:
+        """A dead runner's trial, its attempts counted when it was running; None if no row."""
+
+        def claim() -> Trial | None:
+            with session_scope(self.sessions) as s:
+                row = s.scalars(
+                    select(Trial).where(Trial.study_id == study_id, Trial.number == number)
+                ).one_or_none()
+                if row is not None and row.state == TrialState.RUNNING:
+                    row.attempts += 1
+                return row
+
+        return with_retry(claim, "claim orphan")
+
+    def recorded_numbers(self, study_id: int, numbers: list[int]) -> set[int]:
+        with session_scope(self.sessions) as s:
+            return set(
+                s.scalars(
+                    select(Trial.number).where(
+                        Trial.study_id == study_id, Trial.number.in_(numbers)
+                    )
+                )
+            )
+
+    def record_starts(self, starts: dict[int, StartRow]) -> None:
+        """Where each trial (row id) runs; QUEUED becomes RUNNING; retries count in attempts."""
+        if not starts:
+            return
+
+        def write() -> None:
+            with session_scope(self.sessions) as s:
+                for row_id, st in starts.items():
+                    values: dict[str, Any] = {
+                        "node": st.node,
+                        "attempts": Trial.attempts + st.retries,
+                        "waiting_reason": None,
+                    }
+                    if st.first_at is not None:  # the first start: kept across relaunches
+                        values["started_at"] = func.coalesce(
+                            Trial.started_at, datetime.fromtimestamp(st.first_at, UTC)
+                        )
+                    open_row = (Trial.id == row_id, Trial.state.in_(OPEN_TRIAL_STATES))
+                    s.execute(update(Trial).where(*open_row).values(**values))
+                    s.execute(
+                        update(Trial)
+                        .where(Trial.id == row_id, Trial.state == TrialState.QUEUED)
+                        .values(state=TrialState.RUNNING)
+                    )
+
+        with_retry(write, "record starts")
+
+    # ---- reports -----------------------------------------------------------------------------
+
+    def store_reports(self, rows: list[MetricRow]) -> None:
+        """One transaction for a batch of metric rows: replays are skipped, `last_step` never
+        goes backwards, and rows that land after a cancel are counted on the cancelled row."""
+        if not rows:
+            return
+        last: dict[int, int] = {}
+        dicts = []
+        for row_id, step, name, layer, head, value in rows:
+            dicts.append(
+                {
+                    "trial_id": row_id,
+                    "name": name,
+                    "step": step,
+                    "layer": NO_INDEX if layer is None else layer,
+                    "head": NO_INDEX if head is None else head,
+                    "value": value if math.isfinite(value) else None,
+                }
+            )
+            last[row_id] = max(step, last.get(row_id, 0))
+
+        def write() -> None:
+            with session_scope(self.sessions) as s:
+                insert_metrics(s, dicts)
+                for row_id, step in last.items():
+                    s.execute(
+                        update(Trial)
+                        .where(Trial.id == row_id, Trial.last_step < step)
+                        .values(last_step=step)
+                    )
+                s.execute(
+                    update(Trial)
+                    .where(Trial.id.in_(last), Trial.state == TrialState.CANCELLED)
+                    .values(metric_rows=stored_metric_rows())
+                )
+
+        with_retry(write, "persist reports")
+
+    def metric_points(
+        self, row_id: int, name: str
+    ) -> tuple[dict[str, Any], list[tuple[int, int, int, float | None]]]:
+        """A trial's params and its stored (step, layer, head, value) rows of one series."""
+
+        def read() -> tuple[dict[str, Any], list[tuple[int, int, int, float | None]]]:
+            with session_scope(self.sessions) as s:
+                params = s.scalar(select(Trial.params).where(Trial.id == row_id)) or {}
+                rows = s.execute(
+                    select(Metric.step, Metric.layer, Metric.head, Metric.value)
+                    .where(Metric.trial_id == row_id, Metric.name == name)
+                    .order_by(Metric.step)
+                ).all()
+                return dict(params), [tuple(r) for r in rows]  # type: ignore[misc]
+
+        return with_retry(read, "load metric rows")
+
+    # ---- endings -----------------------------------------------------------------------------
+
+    def _end(self, row_id: int, values: dict[str, Any]) -> bool:
+        """End an open row with `values`; else (ended first) only recount its metric rows."""
+
+        def write() -> bool:
+            with session_scope(self.sessions) as s:
+                open_row = (Trial.id == row_id, Trial.state.in_(OPEN_TRIAL_STATES))
+                n = s.execute(update(Trial).where(*open_row).values(**values)).rowcount  # type: ignore[attr-defined]
+                s.execute(
+                    update(Trial).where(Trial.id == row_id).values(metric_rows=stored_metric_rows())
+                )
+                return bool(n)
+
+        return with_retry(write, "end trial")
+
+    def record_result(self, row_id: int, r: ResultRow) -> bool:
+        """Store a returned trial's outcome; False when the row had ended first (a cancel)."""
+        values: dict[str, Any] = {
+            "state": r.state,
+            "summary": r.summary,
+            "node": r.node,
+            "values": [v if math.isfinite(v) else None for v in r.values],
+            "feasible": r.feasible,
+            "last_step": case((Trial.last_step > r.last_step, Trial.last_step), else_=r.last_step),
+            "waiting_reason": None,
+            "finished_at": utcnow(),
+            "duration_s": r.duration_s,
+        }
+        values["value"] = values["values"][0]
+        values.update({col: r.summary.get(col) for col in SUMMARY_COLUMNS})
+        if r.started_at is not None and r.finished_at is not None:  # the worker's own clock
+            started = datetime.fromtimestamp(r.started_at, UTC)
+            values["started_at"] = func.coalesce(Trial.started_at, started)
+            values["finished_at"] = datetime.fromtimestamp(r.finished_at, UTC)
+            values["duration_s"] = r.finished_at - r.started_at
+        return self._end(row_id, values)
+
+    def record_failure(self, row_id: int, reason: str, duration_s: float) -> bool:
+        """FAILED with `reason`; False when the row had ended first."""
+        return self._end(
+            row_id,
+            {
+                "state": TrialState.FAILED,
+                "error": reason,
+                "finished_at": utcnow(),
+                "duration_s": duration_s,
+                "waiting_reason": None,
+            },
+        )
+
+    def finish_open(
+        self,
+        study_id: int,
+        state: TrialState,
+        reason: str,
+        storage: optuna.storages.BaseStorage | None,
+    ) -> int:
+        """The one way a study's unfinished trials end without a result (cancel, give up):
+        our QUEUED/RUNNING rows become `state` with `reason`, and (with `storage`) the
+        study's RUNNING Optuna trials FAIL, so that no Optuna trial stays RUNNING for good.
+        Trials that finished meanwhile keep their result in both. Returns rows closed."""
+
+        def write() -> int:
+            with session_scope(self.sessions) as s:
+                closed = s.execute(
+                    update(Trial)
+                    .where(Trial.study_id == study_id, Trial.state.in_(OPEN_TRIAL_STATES))
+                    .values(
+                        state=state,
+                        finished_at=utcnow(),
+                        error=reason,
+                        waiting_reason=None,
+                        metric_rows=stored_metric_rows(),
+                    )
+                ).rowcount  # type: ignore[attr-defined]
+            return int(closed or 0)
+
+        closed = with_retry(write, "close open trials")
+        if storage is not None:
+            with_retry(
+                lambda: fail_optuna_trials(storage, study_id, state.value.lower()),
+                "fail Optuna trials",
+            )
+        return closed
+
+    def recount(self, row_ids: list[int]) -> None:
+        """Count the metric rows stored now on cancelled rows (after the runner's last batch)."""
+
+        def write() -> None:
+            with session_scope(self.sessions) as s:
+                s.execute(
+                    update(Trial)
+                    .where(Trial.id.in_(row_ids), Trial.state == TrialState.CANCELLED)
+                    .values(metric_rows=stored_metric_rows())
+                )
+
+        with_retry(write, "count cancelled rows")
+
+    def best_final_val_loss(self, study_id: int) -> float | None:
+        """The study's best final validation loss so far (the reference for `trapped`)."""
+
+        def read() -> float | None:
+            with session_scope(self.sessions) as s:
+                return s.scalar(
+                    select(func.min(Trial.final_val_loss)).where(
+                        Trial.study_id == study_id, Trial.state == TrialState.COMPLETE
+                    )
+                )
+
+        return with_retry(read, "best so far")

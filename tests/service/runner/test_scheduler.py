@@ -1,0 +1,169 @@
+"""The scheduler alone (no Ray, no database): placement by slot key, the status it owns, and
+the ends it refuses because their sender no longer holds the trial.
+
+Its pool here records what it was asked to do; the same scheduler runs against Ray's in
+every service test (tests/service/test_slots.py, test_node_loss.py, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+import pytest
+
+from service.runner.configs import slot_key
+from service.runner.records import Status, TrialRecord
+from service.runner.scheduler import Scheduler
+from service.spec import StudySpec
+from tests.workers.test_trial import TINY
+from workers.config import TrialConfig, TrialSummary
+from workers.messages import Assignment, Failed, HandedBack, Started, Stopped
+
+
+class Recording:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, list[int]]] = []
+
+    def start(self, name: str, capacity: int, first: list[Assignment]) -> None:
+        self.calls.append(("start", f"{name}x{capacity}", [a.trial for a in first]))
+
+    def assign(self, name: str, items: list[Assignment]) -> None:
+        self.calls.append(("assign", name, [a.trial for a in items]))
+
+    def close(self, name: str) -> None:
+        self.calls.append(("close", name, []))
+
+
+def _scheduler(**over: Any) -> tuple[Scheduler, Recording, optuna.Study]:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    spec = StudySpec.model_validate(
+        {"name": "s", "base": TINY, "budget": {"n_trials": 20}, "sampler": {"kind": "random"}}
+        | over
+    )
+    pool = Recording()
+    SPEC.append(spec)
+    return Scheduler(spec, 3, pool), pool, optuna.create_study()
+
+
+SPEC: list[StudySpec] = []
+
+
+def _record(study: optuna.Study, **config: Any) -> TrialRecord:
+    trial = study.ask()
+    cfg = TrialConfig.model_validate({**TINY, **config})
+    key, slots = slot_key(SPEC[-1], cfg, trial.number)
+    return TrialRecord(trial, 100 + trial.number, {}, cfg, key=key, slots=slots)
+
+
+def _stopped(worker: str, trial: int) -> Stopped:
+    summary = TrialSummary(status="completed", steps_done=20)
+    return Stopped(worker, trial, "e", summary, "node", 0.0, 1.0, 0)
+
+
+def test_trials_fill_one_workers_slots_then_wait_for_a_free_one() -> None:
+    sched, pool, study = _scheduler(fuse=4, parallelism=1)
+    recs = [_record(study) for _ in range(5)]
+    for r in recs:
+        sched.add(r)
+    sched.schedule()
+    w = "study-3/worker-0"
+    assert pool.calls == [("start", f"{w}x4", [0])] + [("assign", w, [n]) for n in (1, 2, 3)]
+    assert [r.status for r in recs] == [Status.PLACED] * 4 + [Status.ASKED]
+    assert sched.room() == 0 and sched.may_ask()  # random may look ahead up to 4 x 1
+    assert sched.started(Started(w, 0, "e", "node", 1.0)) is recs[0]
+    assert recs[0].status == Status.RUNNING and recs[0].starts == 1
+    assert sched.ended(_stopped(w, 0)) is recs[0]  # its slot is free at once
+    assert recs[0].status == Status.FINISHING and sched.finishing() == [recs[0]]
+    sched.schedule()
+    assert pool.calls[-1] == ("assign", w, [4]) and recs[4].worker == w
+    sched.done(recs[0])
+    assert recs[0].status == Status.DONE and 0 not in sched.records
+
+
+def test_a_key_of_its_own_gets_its_own_worker() -> None:
+    sched, pool, study = _scheduler(fuse=4, parallelism=2)
+    a, b = _record(study), _record(study, model={**TINY["model"], "d_model": 64})
+    c = _record(study)
+    for r in (a, b, c):
+        sched.add(r)
+    sched.schedule()
+    assert [x[0] for x in pool.calls] == ["start", "start", "assign"]
+    assert a.worker == c.worker != b.worker
+
+
+def test_a_late_hand_back_from_a_worker_that_no_longer_holds_the_trial_changes_nothing() -> None:
+    """The review's double-training race: a worker's end handled before its hand-backs
+    put its members in a new worker; the old worker's late hand-backs must not take them
+    out of the new one (before: looked up in every worker, requeued, placed a third time)."""
+    sched, pool, study = _scheduler(fuse=2, parallelism=1, max_retries=2)
+    a, b = _record(study), _record(study)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    w0 = "study-3/worker-0"
+    assert sched.worker_ended(w0, "OutOfMemoryError") == []  # both wait again
+    sched.schedule()
+    w1 = "study-3/worker-1"
+    assert a.worker == b.worker == w1
+    n_calls = len(pool.calls)
+    for r in (a, b):  # w0's hand-backs arrive now
+        assert sched.ended(HandedBack(w0, r.number, 1)) is None
+    assert a.worker == b.worker == w1 and a.status == b.status == Status.PLACED
+    assert not sched.waiting and len(pool.calls) == n_calls  # nothing placed twice
+    assert sched.ended(_stopped(w0, a.number)) is None  # a stale stop: also nothing
+    assert sched.ended(Failed(w0, a.number, "late")) is None
+
+
+def test_a_hand_back_lowers_the_senders_capacity_and_its_key_for_new_workers() -> None:
+    sched, pool, study = _scheduler(fuse=4, parallelism=1)
+    recs = [_record(study) for _ in range(3)]
+    for r in recs:
+        sched.add(r)
+    sched.schedule()
+    w0 = "study-3/worker-0"
+    for r in recs:  # out of memory: all handed back, 2 would fit
+        sched.ended(HandedBack(w0, r.number, 2))
+    assert pool.calls[-1] == ("close", w0, [])  # empty after an out-of-memory: it exits
+    assert [r.status for r in recs] == [Status.ASKED] * 3
+    assert sched.worker_ended(w0, None) == []
+    sched.schedule()
+    assert pool.calls[-1][0] == "assign" and ("start", "study-3/worker-1x2", [2]) in pool.calls
+
+
+def test_a_worker_that_keeps_dying_gives_its_trial_up_after_max_retries() -> None:
+    """E.g. a worker that fails before it starts anything (a GPU node without CUDA): its
+    trial is relaunched `max_retries` times, then fails with the worker's error, instead of
+    being relaunched for ever (before: only started executions counted)."""
+    sched, _pool, study = _scheduler(max_retries=2, fuse=1)
+    rec = _record(study)
+    sched.add(rec)
+    for i in range(3):
+        sched.schedule()
+        assert rec.status == Status.PLACED
+        given_up = sched.worker_ended(f"study-3/worker-{i}", "RuntimeError: CUDA is not available")
+        if i < 2:
+            assert given_up == [] and rec.status == Status.ASKED
+    assert given_up == [(rec, "RuntimeError: CUDA is not available")]
+
+
+def test_samplers_that_learn_never_ask_ahead() -> None:
+    for sampler, fuse, ahead in (("tpe", 4, False), ("random", 4, True), ("random", 1, False)):
+        sched, _pool, study = _scheduler(sampler={"kind": sampler}, fuse=fuse, parallelism=1)
+        first = _record(study, model={**TINY["model"], "d_model": 64})
+        sched.add(_record(study))
+        sched.schedule()
+        sched.add(first)  # another key: it waits for a worker of its own
+        sched.schedule()
+        assert sched.waiting and sched.may_ask() is ahead, sampler
+
+
+@pytest.mark.parametrize("more", [True, False])
+def test_idle_workers_are_closed_when_nothing_will_come(more: bool) -> None:
+    sched, pool, study = _scheduler(fuse=2, parallelism=2)
+    rec = _record(study)
+    sched.add(rec)
+    sched.schedule()
+    sched.ended(_stopped(rec.worker or "", rec.number))
+    sched.close_idle(more_to_ask=more)
+    assert (pool.calls[-1][0] == "close") is (not more)

@@ -1,0 +1,199 @@
+"""The row store's written contract (service/store/__init__.py), clause by clause, on real
+SQLite and real PostgreSQL: one test suite for every database, as Optuna runs its storage
+tests on every storage."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.spec import StudySpec
+from service.store import Store, migrate
+from service.store.models import Metric, Study, StudyStatus, Trial, TrialState
+from service.store.session import (
+    ReadOnlyError,
+    make_engine,
+    make_reader,
+    make_sessionmaker,
+    session_scope,
+)
+from service.store.trials import ResultRow
+from tests.service.test_e2e_ray import small_quickstart
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    migrate.upgrade(db_url)
+    eng = make_engine(db_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def store(engine: Engine) -> Store:
+    return Store(make_sessionmaker(engine))
+
+
+def _study(store: Store) -> int:
+    row, created = store.studies.create(StudySpec.model_validate(small_quickstart()))
+    assert created
+    return row.id
+
+
+def _trial(s: sessionmaker[Session], row_id: int) -> Trial:
+    with session_scope(s) as session:
+        row = session.get(Trial, row_id)
+        assert row is not None
+        session.expunge(row)
+        return row
+
+
+def _result(loss: float = 1.5) -> ResultRow:
+    summary = {"status": "completed", "steps_done": 40, "final_val_loss": loss}
+    return ResultRow(TrialState.COMPLETE, summary, "node", [loss], True, 40, 10.0, 12.5, 2.5)
+
+
+# ---- one writer -----------------------------------------------------------------------------
+
+
+def test_read_sessions_refuse_every_write(store: Store, engine: Engine) -> None:
+    sid = _study(store)
+    reader = make_reader(engine)
+    with session_scope(reader) as s:
+        assert s.get(Study, sid) is not None  # reads work
+    with pytest.raises(ReadOnlyError), session_scope(reader) as s:
+        s.execute(update(Study).where(Study.id == sid).values(name="x"))
+    with pytest.raises(ReadOnlyError), session_scope(reader) as s:
+        row = s.get(Study, sid)
+        assert row is not None
+        row.name = "changed"  # flushed at commit
+    with pytest.raises(ReadOnlyError), session_scope(reader) as s:
+        s.add(Trial(study_id=sid, number=99, params={}))
+    assert store.studies.get(sid).name == "quickstart"  # type: ignore[union-attr]
+
+
+# ---- ends are conditional -----------------------------------------------------------------
+
+
+def test_a_terminal_study_status_is_never_left(store: Store) -> None:
+    sid = _study(store)
+    assert store.studies.set_status(sid, StudyStatus.RUNNING)
+    started = store.studies.get(sid).started_at  # type: ignore[union-attr]
+    assert started is not None
+    row, job = store.studies.cancel(sid)
+    assert row is not None and row.status == StudyStatus.CANCELLED
+    assert not store.studies.set_status(sid, StudyStatus.COMPLETED)
+    assert not store.studies.fail_live(sid, "late")
+    row = store.studies.get(sid)
+    assert row is not None and row.status == StudyStatus.CANCELLED and row.error is None
+    assert store.studies.cancel(sid)[1] is None  # a second cancel stops no job
+
+
+def test_a_trial_ends_once_whoever_comes_first(store: Store) -> None:
+    sid = _study(store)
+    a = store.trials.insert_queued(sid, 0, {"seed": 1}, 1)
+    b = store.trials.insert_queued(sid, 1, {}, 0)
+    assert store.trials.finish_open(sid, TrialState.CANCELLED, "study cancelled", None) == 2
+    assert not store.trials.record_result(a, _result())
+    assert not store.trials.record_failure(b, "late", 1.0)
+    ra, rb = _trial(store.sessions, a), _trial(store.sessions, b)
+    assert ra.state == rb.state == TrialState.CANCELLED
+    assert ra.summary is None and ra.final_val_loss is None and rb.error == "study cancelled"
+    c = store.trials.insert_queued(sid, 2, {}, 0)
+    assert store.trials.record_result(c, _result(1.25))
+    assert store.trials.finish_open(sid, TrialState.CANCELLED, "study cancelled", None) == 0
+    rc = _trial(store.sessions, c)
+    assert rc.state == TrialState.COMPLETE and rc.value == 1.25 and rc.final_val_loss == 1.25
+    assert rc.duration_s == pytest.approx(2.5)  # the worker's own clock
+
+
+@pytest.mark.parametrize("rounds", [12])
+def test_a_cancel_racing_a_result_leaves_one_consistent_ending(store: Store, rounds: int) -> None:
+    """Two threads, two connections, one row: the result and the cancel race; each round ends
+    either COMPLETE with its summary or CANCELLED without one, never a mix, and exactly one
+    of the two writers reports that it ended the row."""
+    sid = _study(store)
+    for n in range(rounds):
+        row_id = store.trials.insert_queued(sid, n, {}, 0)
+        won: dict[str, Any] = {}
+        go = threading.Barrier(2)
+
+        def result(
+            row_id: int = row_id, won: dict[str, Any] = won, go: threading.Barrier = go
+        ) -> None:
+            go.wait()
+            won["result"] = store.trials.record_result(row_id, _result())
+
+        def cancel(won: dict[str, Any] = won, go: threading.Barrier = go) -> None:
+            go.wait()
+            won["cancel"] = store.trials.finish_open(sid, TrialState.CANCELLED, "c", None) > 0
+
+        threads = [threading.Thread(target=result), threading.Thread(target=cancel)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        row = _trial(store.sessions, row_id)
+        assert won["result"] != won["cancel"], won
+        if won["result"]:
+            assert row.state == TrialState.COMPLETE and row.summary is not None
+        else:
+            assert row.state == TrialState.CANCELLED and row.summary is None
+
+
+# ---- replays are no-ops -------------------------------------------------------------------
+
+
+def test_replayed_reports_and_inserts_change_nothing(store: Store) -> None:
+    sid = _study(store)
+    row_id = store.trials.insert_queued(sid, 0, {}, 0)
+    assert store.trials.insert_queued(sid, 0, {}, 0) == row_id  # a retried insert
+    batch = [(row_id, 40, "val_loss", None, None, 2.0), (row_id, 40, "rank_ratio", 1, None, 0.5)]
+    store.trials.store_reports(batch)
+    store.trials.store_reports(batch)  # replayed from the journal
+    store.trials.store_reports([(row_id, 20, "val_loss", None, None, 2.5)])  # an older one
+    with session_scope(store.sessions) as s:
+        rows = s.scalar(select(func.count()).where(Metric.trial_id == row_id))
+    assert rows == 3
+    assert _trial(store.sessions, row_id).last_step == 40
+    params, points = store.trials.metric_points(row_id, "val_loss")
+    assert points == [(20, -1, -1, 2.5), (40, -1, -1, 2.0)]
+
+
+def test_starts_move_queued_to_running_and_count_retries(store: Store) -> None:
+    from service.store.trials import StartRow
+
+    sid = _study(store)
+    row_id = store.trials.insert_queued(sid, 0, {}, 0)
+    store.trials.record_starts({row_id: StartRow("node-a", 0, 100.0)})
+    store.trials.record_starts({row_id: StartRow("node-b", 1, None)})
+    row = _trial(store.sessions, row_id)
+    assert row.state == TrialState.RUNNING and row.node == "node-b" and row.attempts == 2
+    assert row.started_at is not None and row.started_at.timestamp() == pytest.approx(100.0)
+
+
+# ---- launches are claimed -------------------------------------------------------------------
+
+
+def test_a_launch_is_claimed_against_what_the_caller_saw(store: Store) -> None:
+    sid = _study(store)
+    assert store.studies.claim_launch(sid, seen_attempts=0) == 1
+    assert store.studies.claim_launch(sid, seen_attempts=0) is None  # somebody launched it
+    store.studies.record_job(sid, "job-a1")
+    store.studies.unclaim_launch(sid, None)
+    row = store.studies.get(sid)
+    assert row is not None and row.job_attempts == 0 and row.ray_job_id is None
+    store.studies.cancel(sid)
+    assert store.studies.claim_launch(sid, seen_attempts=None) is None  # ended: no launch
+
+
+def test_an_idempotency_key_gives_one_study(store: Store) -> None:
+    spec = StudySpec.model_validate(small_quickstart())
+    first, created = store.studies.create(spec, "key-1")
+    again, created_again = store.studies.create(spec, "key-1")
+    assert created and not created_again and again.id == first.id

@@ -1,0 +1,127 @@
+"""Everything that crosses Ray between a slot worker and the study runner, as typed structs.
+
+A worker sends, through the runner's `TrialInbox` (workers/inbox.py):
+
+- `Started`: a member began an execution on this worker (where, when, which execution);
+- `Report`: one evaluation of a member (its metric points at a step);
+- a member's end, one of `Stopped` (completed, pruned or diverged, with its summary),
+  `HandedBack` (untrained here: no slot fitted it, or the device ran out of memory) or
+  `Failed` (this member cannot be trained, with the reason);
+
+and returns `WorkerDone` when its task ends. The runner assigns trials as `Assignment`s.
+Every end names the worker that sent it: the runner acts on an end only if that worker
+still holds the trial. Frozen dataclasses with slots: they pickle small and fast (faster
+than pydantic models, no dependency beyond the standard library), and mypy checks every
+field where a tuple or dict read by string keys would not be checked at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.config import TrialSummary
+
+__all__ = [
+    "Assignment",
+    "Batch",
+    "End",
+    "Failed",
+    "HandedBack",
+    "Point",
+    "Report",
+    "Started",
+    "Stopped",
+    "WorkerDone",
+]
+
+# (name, layer, head, value): one reported number; layer/head None where it has none.
+Point = tuple[str, int | None, int | None, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """A trial the runner gives a worker: its full config (JSON) and its number."""
+
+    trial: int
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    worker: str
+    trial: int
+    execution: str  # a fresh id per execution (admission) of the trial
+    node: str
+    at: float  # unix time, the worker's clock
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    trial: int
+    execution: str
+    step: int
+    points: list[Point]
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """A member stopped on its own (completed, pruned, diverged): its summary and times."""
+
+    worker: str
+    trial: int
+    execution: str
+    summary: TrialSummary
+    node: str
+    started_at: float
+    finished_at: float
+    reports_sent: int  # the runner records it once it has stored this many reports
+
+
+@dataclass(frozen=True, slots=True)
+class HandedBack:
+    """A member given back untrained (it resumes from its checkpoint elsewhere); `slots`:
+    how many members this worker found room for, so the runner sizes the next worker."""
+
+    worker: str
+    trial: int
+    slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A member that cannot be trained (e.g. out of memory alone in its worker)."""
+
+    worker: str
+    trial: int
+    reason: str
+
+
+End = Stopped | HandedBack | Failed
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDone:
+    """What a slot worker's task returns when it ends on its own."""
+
+    worker: str
+    node: str
+    members: int  # members admitted in its life
+    steps: int  # member-steps it trained
+
+
+@dataclass(slots=True)
+class Batch:
+    """What arrived at the inbox since the runner last took from it."""
+
+    starts: list[Started] = field(default_factory=list)
+    reports: list[Report] = field(default_factory=list)
+    ends: list[End] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.starts or self.reports or self.ends)
+
+    def extend(self, other: Batch) -> None:
+        self.starts += other.starts
+        self.reports += other.reports
+        self.ends += other.ends
