@@ -35,6 +35,7 @@ __all__ = [
     "StudySpec",
     "apply_params",
     "parse_spec",
+    "with_params",
 ]
 
 
@@ -89,6 +90,9 @@ class IntParam(_Strict):
             raise ValueError(f"low ({self.low}) must be < high ({self.high})")
         if self.log and self.low <= 0:
             raise ValueError(f"log scale needs low > 0, got {self.low}")
+        if self.log and self.step != 1:
+            # Optuna's suggest_int refuses it when the trial asks (a failed study, not a 422).
+            raise ValueError(f"log: true needs step 1 (Optuna refuses it), got step {self.step}")
         return self
 
 
@@ -271,20 +275,29 @@ def _extremes(param: Param) -> list[Scalar]:
     return [param.value]
 
 
-def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
-    """The base config with dotted fields replaced; raises SpecError naming a bad field."""
-    data = base.model_dump(mode="json", by_alias=True)
+def with_params(data: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the dumped config `data` with dotted fields replaced (only the sections on
+    the paths are copied: `data` is left as it was); raises SpecError naming a bad path."""
+    out = dict(data)
     for path, value in params.items():
-        node = data
+        node = out
         keys = path.split(".")
         for key in keys[:-1]:
-            child = node.get(key) if isinstance(node, dict) else None
+            child = node.get(key)
             if not isinstance(child, dict):
                 raise SpecError(path, f"'{key}' is not a section of the trial config")
-            node = child
+            copy = dict(child)
+            node[key] = copy
+            node = copy
         if keys[-1] not in node:
             raise SpecError(path, f"'{keys[-1]}' is not a field of the trial config")
         node[keys[-1]] = value
+    return out
+
+
+def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
+    """The base config with dotted fields replaced; raises SpecError naming a bad field."""
+    data = with_params(base.model_dump(mode="json", by_alias=True), params)
     try:
         return TrialConfig.model_validate(data)
     except ValidationError as e:
@@ -368,6 +381,9 @@ def parse_spec(body: bytes, content_type: str) -> StudySpec:
     field = _bool_for_number(data, spec.model_dump(mode="json", by_alias=True))
     if field is not None:  # pydantic's lax mode reads true as 1
         raise SpecError(field, "expected a number, got a boolean")
+    from service.space import check_search_space  # imports this module
+
+    check_search_space(spec)  # every point the sampler can suggest, not only the endpoints
     return spec
 
 

@@ -31,6 +31,8 @@ VALID: dict[str, Any] = {
     },
     "constraints": [{"metric": "min_norm_entropy", "op": ">=", "value": 0.1}],
 }
+# The quickstart's width (d_model 32), where n_heads 3, 5, 6 and 7 do not divide it.
+QUICK: dict[str, Any] = {"model": {"d_model": 32}}
 # Every field spelled out: the tree the "every level" and "every leaf" cases walk.
 FULL: dict[str, Any] = StudySpec.model_validate(VALID).model_dump(mode="json", by_alias=True)
 JSON, YAML = "application/json", "application/yaml"
@@ -509,6 +511,84 @@ CASES: list[Case] = [
         422,
         "base.model",
     ),
+    # points inside the search space that are not valid trial configs (issue 27, item 3):
+    # each endpoint alone is valid, so only an enumeration of the space finds them
+    (
+        "heads inside the range do not divide d_model",
+        {**space("model.n_heads", {"type": "int", "low": 1, "high": 8}), "base": QUICK},
+        JSON,
+        422,
+        "search_space.model.n_heads",
+    ),
+    (
+        "searched warmup past searched steps",
+        with_(
+            "search_space",
+            {
+                "steps": {"type": "int", "low": 10, "high": 500},
+                "optim.warmup_steps": {"type": "int", "low": 0, "high": 100},
+            },
+        ),
+        JSON,
+        422,
+        "search_space.optim.warmup_steps",
+    ),
+    (
+        "searched d_model and n_heads that do not divide together",
+        with_(
+            "search_space",
+            {
+                "model.d_model": {"type": "categorical", "choices": [64, 96]},
+                "model.n_heads": {"type": "categorical", "choices": [2, 64]},
+            },
+        ),
+        JSON,
+        422,
+        "search_space.model.n_heads",
+    ),
+    (
+        "grid of heads against a grid of widths",
+        {
+            **with_(
+                "search_space",
+                {
+                    "model.d_model": {"type": "int", "low": 64, "high": 96, "grid": [64, 96]},
+                    "model.n_heads": {"type": "int", "low": 1, "high": 64, "grid": [1, 64]},
+                },
+            ),
+            "sampler": {"kind": "grid"},
+        },
+        JSON,
+        422,
+        "search_space.model.n_heads",
+    ),
+    (
+        "float range over an int field",
+        space("steps", {"type": "float", "low": 100, "high": 200}),
+        JSON,
+        422,
+        "search_space.steps",
+    ),
+    (
+        "int log with step 2",
+        space("model.n_layers", {"type": "int", "low": 1, "high": 8, "log": True, "step": 2}),
+        JSON,
+        422,
+        "search_space.model.n_layers",
+    ),
+    (
+        "searched pairs outgrow a searched seq_len",
+        with_(
+            "search_space",
+            {
+                "task.n_pairs": {"type": "int", "low": 1, "high": 12},
+                "task.seq_len": {"type": "int", "low": 20, "high": 64},
+            },
+        ),
+        JSON,
+        422,
+        "search_space.task.seq_len",
+    ),
     # bodies that are not a mapping
     ("json list", b"[1, 2]", JSON, 422, "body"),
     ("json string", b'"study"', JSON, 422, "body"),
@@ -733,6 +813,40 @@ def test_the_valid_base_definition_is_accepted() -> None:
     # ... and the default (fuse: auto) accepts an unfusable base, without fusing it
     unfusable = StudySpec.model_validate(with_("base/model", {"dropout": 0.1}))
     assert unfusable.fuse == "auto" and unfusable.slots == 1
+
+
+def test_a_search_space_point_that_fails_is_named_with_its_value(
+    app_client: TestClient, engine: Engine
+) -> None:
+    """Issue 27, item 3: the quickstart's d_model 32 with n_heads searched over 1..8 was
+    accepted (201) and failed the whole study when Optuna suggested 3. Now: a 422 naming the
+    parameter and a value that fails, nothing stored; the same space without the bad values,
+    and ranges whose every point is valid, are accepted."""
+    body = {**space("model.n_heads", {"type": "int", "low": 1, "high": 8}), "base": QUICK}
+    out = check_rejected(app_client, body, JSON)
+    assert out["status"] == 422, out
+    assert [e["field"] for e in out["errors"]] == ["search_space.model.n_heads"], out
+    assert "model.n_heads=3" in out["errors"][0]["message"], out
+    assert "divisible" in out["errors"][0]["message"], out
+    warm = {
+        "steps": {"type": "int", "low": 10, "high": 500},
+        "optim.warmup_steps": {"type": "int", "low": 0, "high": 100},
+    }
+    out = check_rejected(app_client, with_("search_space", warm), JSON)
+    assert "steps=10, optim.warmup_steps=11" in out["errors"][0]["message"], out
+    assert n_studies(engine) == 0
+    good = [
+        {**space("model.n_heads", {"type": "categorical", "choices": [1, 2, 4, 8]}), "base": QUICK},
+        {**space("model.n_heads", {"type": "int", "low": 1, "high": 2}), "base": QUICK},
+        with_("search_space", {**warm, "steps": {"type": "int", "low": 100, "high": 500}}),
+    ]
+    try:
+        for b in good:
+            r = post(app_client, b, JSON)
+            assert r.status_code == 201, r.text
+    finally:
+        with engine.begin() as conn:  # keep the table empty for the tests after this one
+            conn.execute(text("DELETE FROM qk_study"))
 
 
 # --- generated junk ---------------------------------------------------------------------------
