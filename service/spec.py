@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -34,6 +35,8 @@ __all__ = [
     "SpecError",
     "StudySpec",
     "apply_params",
+    "check_data_dirs",
+    "check_limits",
     "parse_spec",
     "with_params",
 ]
@@ -338,6 +341,48 @@ def check_limits(
     n = _count_params(big, vocab)
     if n > max_params:
         errors.append(SpecError("base.model", f"about {n:,} parameters > limit {max_params:,}"))
+    return errors
+
+
+DATA_DIR_RULE = (
+    "must be a relative path inside the data directory (QKSCOPE_DATA_DIR): no leading '/' "
+    "or '~', no '..', and no symlink out of it"
+)
+
+
+def _data_dir_escapes(value: str, root: str) -> bool:
+    """Whether `value` (a task.data_dir) may point outside `root` (QKSCOPE_DATA_DIR; "" when
+    unset: then relative paths are read from the workers' working directory, and only the
+    spelling is checked). Existing symlinks under `root` are followed; whether anything
+    outside `root` exists never changes the answer, so the 422 tells nothing about it."""
+    path = PurePosixPath(value)
+    if not value or path.is_absolute() or value.startswith("~") or ".." in path.parts:
+        return True
+    if "\\" in value or "\x00" in value:
+        return True
+    if not root:
+        return False
+    try:
+        base = Path(root).resolve()
+        target = (base / path).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a name too long
+        return True
+    return target != base and base not in target.parents
+
+
+def check_data_dirs(spec: StudySpec, root: str) -> list[SpecError]:
+    """`base.task.data_dir` and every value the search space gives `task.data_dir` stay
+    inside `root` (QKSCOPE_DATA_DIR), where the runner resolves them (service/dispatch.py)."""
+    errors: list[SpecError] = []
+    base = spec.base.task.data_dir
+    if base is not None and _data_dir_escapes(base, root):
+        errors.append(SpecError("base.task.data_dir", DATA_DIR_RULE))
+    param = spec.search_space.get("task.data_dir")
+    if param is not None:
+        for v in _extremes(param):
+            if isinstance(v, str) and _data_dir_escapes(v, root):
+                errors.append(SpecError("search_space.task.data_dir", DATA_DIR_RULE))
+                break
     return errors
 
 

@@ -18,7 +18,7 @@ from service.api.schemas import FieldError, Page, StudyOut, TrialOut
 from service.db import queries
 from service.db.models import Study, StudyStatus, Trial, TrialState
 from service.resources import unmet
-from service.spec import SpecError, StudySpec, check_limits, parse_spec
+from service.spec import SpecError, StudySpec, check_data_dirs, check_limits, parse_spec
 from service.studies import cancel_study, create_study, launch_study, mark_ray_unreachable
 
 __all__ = ["router"]
@@ -128,6 +128,10 @@ async def submit_study(
 ) -> StudyOut:
     """Validate a study definition (JSON or YAML), store it, and start its Ray job."""
     spec = await _read_spec(request, settings.max_body_bytes)
+    path_errors = check_data_dirs(spec, settings.data_dir)
+    if path_errors:
+        errors = [FieldError(field=e.field, message=e.message) for e in path_errors]
+        raise ApiError(422, "validation_error", "; ".join(str(e) for e in path_errors), errors)
     limit_errors = check_limits(
         spec,
         max_trials=settings.max_trials,

@@ -1098,3 +1098,68 @@ def test_a_6mb_body_sent_without_expect_continue_gets_the_413_json(
             urllib.request.urlopen(req, timeout=60)
         assert e.value.code == 413
     assert n_studies(engine) == 0
+
+
+# --- task.data_dir stays inside QKSCOPE_DATA_DIR ---------------------------------------------
+
+
+def test_data_dir_outside_the_data_root_is_a_422_that_reveals_nothing(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Issue 27: `task.data_dir` could name any directory of the workers (absolute, `~`,
+    `..`, a symlink out of QKSCOPE_DATA_DIR), and the error told whether it existed. Now
+    each is a 422 naming the field, with one message whatever exists outside; nothing is
+    stored; a corpus inside the root is accepted."""
+    root = tmp_path / "data"
+    (root / "corpus").mkdir(parents=True)
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    (root / "exit").symlink_to(outside)  # an existing directory outside
+    (root / "dangling").symlink_to(tmp_path / "nowhere")  # a missing one
+    (root / "inner").symlink_to(root / "corpus")  # a symlink that stays inside is fine
+    settings = Settings(
+        database_url=db_url, ray_address="", api_tokens="", home=tmp_path, data_dir=str(root)
+    )
+
+    def lm(data_dir: str) -> dict[str, Any]:
+        task = {"kind": "lm", "data_dir": data_dir, "tokenizer": "char", "vocab_cap": 256}
+        return {**VALID, "base": {"task": task}}
+
+    escapes = [
+        str(outside),
+        "/nonexistent/really",
+        "~",
+        "~root/x",
+        "../secret",
+        "corpus/../../secret",
+        "corpus/../../nowhere",
+        "exit",
+        "exit/sub",
+        "dangling",
+        "corpus\\..\\..\\secret",
+    ]
+    with TestClient(create_app(settings, reconcile_loop=False), raise_server_exceptions=False) as c:
+        engine = make_engine(db_url)
+        try:
+            messages = set()
+            for bad in escapes:
+                out = check_rejected(c, lm(bad), JSON, bad)
+                assert out["status"] == 422, (bad, out)
+                assert [e["field"] for e in out["errors"]] == ["base.task.data_dir"], (bad, out)
+                assert str(tmp_path) not in out["message"], out
+                messages.add(out["message"])
+            assert len(messages) == 1, messages  # existing or not, inside a link or not
+            searched = {
+                **lm("corpus"),
+                "search_space": {
+                    "task.data_dir": {"type": "categorical", "choices": ["corpus", "/etc"]}
+                },
+            }
+            out = check_rejected(c, searched, JSON)
+            assert [e["field"] for e in out["errors"]] == ["search_space.task.data_dir"], out
+            assert n_studies(engine) == 0
+            for good in ("corpus", "inner", "corpus/sub", "not-there-yet"):
+                r = post(c, lm(good), JSON)
+                assert r.status_code == 201, (good, r.text)
+        finally:
+            engine.dispose()
