@@ -25,10 +25,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
 from service.spec import (
+    HISTORY_FREE_SAMPLERS,
     CategoricalParam,
     FixedParam,
     FloatParam,
@@ -39,7 +41,7 @@ from service.spec import (
     StudySpec,
     with_params,
 )
-from workers.config import TrialConfig
+from workers.config import BLOCK_PRESETS, ModelConfig, TaskConfig, TrialConfig
 
 __all__ = [
     "ENUM_MAX",
@@ -47,7 +49,10 @@ __all__ = [
     "MAX_COMBO_CHECKS",
     "MAX_POINT_CHECKS",
     "candidate_values",
+    "check_memory",
     "check_search_space",
+    "unchecked_config",
+    "worst_points",
 ]
 
 # An int range of at most this many values is enumerated; a larger one is sampled.
@@ -201,3 +206,159 @@ def _blame(paths: list[str], msg: str) -> str:
     else the last (for d_model/n_heads: n_heads)."""
     loc = msg.partition(":")[0]
     return next((p for p in paths if p == loc), paths[-1])
+
+
+# ---- the largest points, for the memory and size limits -------------------------------------
+
+# Numeric fields that grow a trial's memory: at their largest value in the worst point.
+GROWING: tuple[str, ...] = (
+    "batch_size",
+    "probe_batch_size",
+    "model.n_layers",
+    "model.n_heads",
+    "model.d_model",
+    "model.d_ff",
+    "task.seq_len",
+    "task.vocab_cap",
+    "task.n_symbols",
+    "task.n_valid",
+)
+# Fields whose choices change the shape of the estimate: every combination is a worst point.
+CHOOSING: tuple[str, ...] = ("task.kind", "model.mlp", "model.block")
+
+
+def _number(v: Scalar) -> float | None:
+    """A value as a number (pydantic's lax mode reads "128" as 128), or None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        return None
+
+
+def _extreme(values: list[Scalar], largest: bool) -> int | None:
+    numbers = [n for n in map(_number, values) if n is not None]
+    if not numbers:
+        return None
+    return int(max(numbers) if largest else min(numbers))
+
+
+def unchecked_config(data: dict[str, Any]) -> TrialConfig:
+    """A trial config from a dumped one, not validated: the largest values of every field
+    together need not be a valid config, and still bound the memory of every point that is.
+    Numbers are coerced to int where the estimate reads them; a block preset sets `mlp`."""
+    model = dict(data["model"])
+    if model.get("block", "custom") in BLOCK_PRESETS:
+        model["mlp"] = BLOCK_PRESETS[model["block"]][1]
+    task = dict(data["task"])
+    top = dict(data)
+    for section, path in ((top, "batch_size"), (top, "probe_batch_size")):
+        section[path] = int(float(section[path]))
+    for key in ("n_layers", "n_heads", "d_model", "d_ff"):
+        model[key] = max(1, int(float(model[key])))
+    for key in ("seq_len", "vocab_cap", "n_symbols", "n_valid"):
+        task[key] = int(float(task[key]))
+    return TrialConfig.model_construct(
+        **{
+            **top,
+            "model": ModelConfig.model_construct(**model),
+            "task": TaskConfig.model_construct(**task),
+        }
+    )
+
+
+def worst_points(spec: StudySpec) -> list[tuple[dict[str, Scalar], TrialConfig]]:
+    """The points of the search space that need the most memory (and parameters): every
+    growing field at its largest value, for each combination of the choosing fields; with
+    the values set, as trial configs (`unchecked_config`)."""
+    grid = spec.sampler.kind == "grid"
+    values = {p: candidate_values(param, grid)[0] for p, param in spec.search_space.items()}
+    largest: dict[str, Scalar] = {}
+    for path in GROWING:
+        if path in values and (top := _extreme(values[path], largest=True)) is not None:
+            largest[path] = top
+    choosing = [p for p in CHOOSING if p in values]
+    data = spec.base.model_dump(mode="json", by_alias=True)
+    points = []
+    for combo in itertools.product(*(values[p] for p in choosing)):
+        params = {**largest, **dict(zip(choosing, combo, strict=True))}
+        points.append((params, unchecked_config(with_params(data, params))))
+    return points
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**28 else f"{n / 2**20:.0f} MiB"
+
+
+def _members(spec: StudySpec, config: TrialConfig) -> int:
+    """How many members of `config` one worker of the study holds at once. A GPU worker
+    lowers its slots to what its memory estimate fits (workers/remote.py): one must fit."""
+    from workers.fusion_plan import FusionError, auto_fuse, check_fusable
+
+    if spec.resources.gpus > 0:
+        return 1
+    try:
+        check_fusable(config)
+    except FusionError:
+        return 1
+    if spec.fuse != "auto":
+        return spec.fuse
+    if spec.sampler.kind not in HISTORY_FREE_SAMPLERS:
+        return 1
+    return auto_fuse(config, 0.0)
+
+
+def _part_field(part: str, config: TrialConfig) -> str:
+    lm = config.task.kind == "lm"
+    return {
+        "parameters": "model",
+        "activations": "batch_size",
+        "logits": "task.vocab_cap" if lm else "task.n_symbols",
+        "probe": "probe_batch_size",
+        "validation": "batch_size" if lm else "task.n_valid",
+    }[part]
+
+
+def check_memory(spec: StudySpec, max_bytes: int) -> list[SpecError]:
+    """A 422 for a study whose worst point cannot fit one worker: `memory_estimate` of one
+    member (parameters, activations, logits, probe, validation set) times the members its
+    worker holds, against `max_bytes` (QKSCOPE_MAX_TRIAL_MEMORY_BYTES). Names `fuse` when
+    one member fits, else the searched field whose smallest value saves the most, else the
+    base field behind the largest part."""
+    from workers.fusion_plan import memory_estimate
+
+    grid = spec.sampler.kind == "grid"
+    data = spec.base.model_dump(mode="json", by_alias=True)
+    for params, config in worst_points(spec):
+        est = memory_estimate(config)
+        members = _members(spec, config)
+        if est.total * members <= max_bytes:
+            continue
+        if members > 1 and est.total <= max_bytes:
+            field = "fuse"
+        else:
+            field = f"base.{_part_field(est.largest(), config)}"
+            saved = 0
+            for path in params:
+                if path not in GROWING:
+                    continue
+                param = spec.search_space[path]
+                low = _extreme(candidate_values(param, grid)[0], largest=False)
+                smaller = unchecked_config(with_params(data, {**params, path: low}))
+                if (d := est.total - memory_estimate(smaller).total) > saved:
+                    field, saved = f"search_space.{path}", d
+        parts = ", ".join(
+            f"{name} {_gib(getattr(est, name))}"
+            for name in ("parameters", "activations", "logits", "probe", "validation")
+        )
+        where = f" at {_show(params)}" if params else ""
+        each = f"{members} members of {_gib(est.total)} each" if members > 1 else "one member"
+        return [
+            SpecError(
+                field,
+                f"about {_gib(est.total * members)} for {each} ({parts}){where}: more than "
+                f"a worker may use ({_gib(max_bytes)}, QKSCOPE_MAX_TRIAL_MEMORY_BYTES)",
+            )
+        ]
+    return []

@@ -315,9 +315,18 @@ def _count_params(config: TrialConfig, vocab: int) -> int:
 
 
 def check_limits(
-    spec: StudySpec, *, max_trials: int, max_steps: int, max_params: int
+    spec: StudySpec,
+    *,
+    max_trials: int,
+    max_steps: int,
+    max_params: int,
+    max_memory: int | None = None,
 ) -> list[SpecError]:
-    """Deployment limits that depend on settings rather than on the spec alone."""
+    """Deployment limits that depend on settings rather than on the spec alone: trials,
+    steps, parameters and (`max_memory`, QKSCOPE_MAX_TRIAL_MEMORY_BYTES) the memory of one
+    worker at the largest point of the search space (service/space.py, `check_memory`)."""
+    from service.space import check_memory, worst_points  # imports this module
+
     errors: list[SpecError] = []
     if spec.budget.n_trials > max_trials:
         errors.append(SpecError("budget.n_trials", f"{spec.budget.n_trials} > limit {max_trials}"))
@@ -328,19 +337,14 @@ def check_limits(
             worst["steps"] = max(int(float(v)) for v in values)
     if worst["steps"] > max_steps:
         errors.append(SpecError("base.steps", f"{worst['steps']} > limit {max_steps}"))
-    largest = {
-        path: max(_extremes(p), key=lambda v: float(v) if not isinstance(v, str) else 0)
-        for path, p in spec.search_space.items()
-        if path in ("model.d_model", "model.d_ff", "model.n_layers", "task.seq_len")
-    }
-    try:
-        big = apply_params(spec.base, largest)
-    except SpecError:
-        big = spec.base
-    vocab = big.task.vocab_cap + 2 if big.task.kind == "lm" else 4 * big.task.n_symbols + 4
-    n = _count_params(big, vocab)
+    n = 0
+    for _, big in worst_points(spec):  # the largest values together, valid or not
+        vocab = big.task.vocab_cap + 2 if big.task.kind == "lm" else 4 * big.task.n_symbols + 4
+        n = max(n, _count_params(big, vocab))
     if n > max_params:
         errors.append(SpecError("base.model", f"about {n:,} parameters > limit {max_params:,}"))
+    if max_memory is not None:
+        errors += check_memory(spec, max_memory)
     return errors
 
 

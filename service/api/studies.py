@@ -137,6 +137,7 @@ async def submit_study(
         max_trials=settings.max_trials,
         max_steps=settings.max_steps,
         max_params=settings.max_params,
+        max_memory=settings.max_trial_memory_bytes,
     )
     if limit_errors:
         errors = [FieldError(field=e.field, message=e.message) for e in limit_errors]

@@ -589,6 +589,52 @@ CASES: list[Case] = [
         422,
         "search_space.task.seq_len",
     ),
+    # memory one worker cannot hold (QKSCOPE_MAX_TRIAL_MEMORY_BYTES, 16 GiB by default)
+    (
+        "activations: batch x heads x seq_len^2",
+        with_("base", {"batch_size": 512, "task": {"seq_len": 2048}}),
+        JSON,
+        422,
+        "base.batch_size",
+    ),
+    (
+        "a searched validation set",
+        {
+            **with_("base", {"batch_size": 8, "task": {"seq_len": 4096}}),
+            "search_space": {"task.n_valid": {"type": "int", "low": 1000, "high": 100_000}},
+        },
+        JSON,
+        422,
+        "search_space.task.n_valid",
+    ),
+    (
+        "a searched vocabulary",
+        {
+            **with_(
+                "base",
+                {"batch_size": 64, "task": {"kind": "lm", "data_dir": "c", "seq_len": 512}},
+            ),
+            "search_space": {
+                "task.vocab_cap": {"type": "int", "low": 1000, "high": 1_000_000, "log": True}
+            },
+        },
+        JSON,
+        422,
+        "search_space.task.vocab_cap",
+    ),
+    (
+        "fused members that fit one by one",
+        {
+            **with_(
+                "base",
+                {"batch_size": 64, "task": {"seq_len": 1024}, "model": {"n_heads": 8}},
+            ),
+            "fuse": 8,
+        },
+        JSON,
+        422,
+        "fuse",
+    ),
     # bodies that are not a mapping
     ("json list", b"[1, 2]", JSON, 422, "body"),
     ("json string", b'"study"', JSON, 422, "body"),
@@ -847,6 +893,33 @@ def test_a_search_space_point_that_fails_is_named_with_its_value(
     finally:
         with engine.begin() as conn:  # keep the table empty for the tests after this one
             conn.execute(text("DELETE FROM qk_study"))
+
+
+def test_memory_beyond_the_worker_limit_is_a_422_and_the_limit_is_a_setting(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Issue 27: only parameters were bounded; a validation set of n_valid x seq_len (~16 GB
+    at the field maxima) or a batch's attention maps were accepted and ran a worker out of
+    memory. The worst point's estimate against QKSCOPE_MAX_TRIAL_MEMORY_BYTES."""
+    body = {
+        **with_("base", {"batch_size": 8, "task": {"seq_len": 4096}}),
+        "search_space": {"task.n_valid": {"type": "int", "low": 1000, "high": 100_000}},
+    }
+    small = Settings(database_url=db_url, ray_address="", api_tokens="", home=tmp_path)
+    with TestClient(create_app(small, reconcile_loop=False), raise_server_exceptions=False) as c:
+        out = check_rejected(c, body, JSON)
+    assert out["status"] == 422 and out["error"] == "limit_exceeded", out
+    msg = out["errors"][0]["message"]
+    assert "task.n_valid=100000" in msg and "QKSCOPE_MAX_TRIAL_MEMORY_BYTES" in msg, msg
+    assert "validation 15.3 GiB" in msg, msg
+    engine = make_engine(db_url)
+    try:
+        assert n_studies(engine) == 0
+        big = small.model_copy(update={"max_trial_memory_bytes": 64 * 2**30})
+        with TestClient(create_app(big, reconcile_loop=False)) as c:
+            assert post(c, body, JSON).status_code == 201
+    finally:
+        engine.dispose()
 
 
 # --- generated junk ---------------------------------------------------------------------------
