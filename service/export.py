@@ -7,6 +7,10 @@ Two tables:
 - metrics: the long table of every stored metric value: `number` (the trial number),
   `trial_id`, `name`, `layer`, `head` (empty where the metric has none), `step`, `value`.
 
+In CSV, a string cell that a spreadsheet would take for a formula (=, +, -, @, tab, CR at
+its start; not a number literal such as -3) is written with a leading single quote
+(`neutralise`); Parquet holds the strings as they are.
+
 Both are read with server-side cursors in batches and written batch by batch (a CSV
 chunk, a Parquet row group, a zip deflate block), so memory stays flat however many
 metric rows a study has.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,10 +38,12 @@ from workers.metric_names import SUMMARIES
 
 __all__ = [
     "BATCH_ROWS",
+    "FORMULA_STARTS",
     "MEDIA_TYPES",
     "METRIC_COLUMNS",
     "ExportFormat",
     "export_stream",
+    "neutralise",
     "trial_columns",
 ]
 
@@ -276,9 +283,27 @@ class _Counting:
         return True
 
 
+# A spreadsheet reads a cell that starts with one of these as a formula (CSV injection).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+# A plain number literal (a negative number is not a formula): left as it is.
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def neutralise(text: str) -> str:
+    """OWASP's CSV-injection defence: a string cell that a spreadsheet would run as a formula
+    (it starts with =, +, -, @, a tab or a carriage return) gets a leading single quote, so
+    it is shown as text; the csv writer quotes it where needed. Number literals ("-3",
+    "+1.5e-3") are left alone, so they stay numbers."""
+    if text.startswith(FORMULA_STARTS) and not _NUMBER.fullmatch(text):
+        return "'" + text
+    return text
+
+
 def _csv_cell(v: Any) -> Any:
     if v is None:
         return ""
+    if isinstance(v, str):
+        return neutralise(v)
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, datetime):
@@ -291,9 +316,15 @@ def _csv_cell(v: Any) -> Any:
 def _write_csv(table: _Table, session: Session, out: Any) -> Iterator[None]:
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
+    # The csv module quotes a field holding "\n" (the line terminator) but not a bare "\r",
+    # which readers take for a line end: a row with one is written fully quoted.
+    quoted = csv.writer(text, lineterminator="\n", quoting=csv.QUOTE_ALL)
     writer.writerow([c for c, _ in table.columns])
     for rows in table.batches(session):
-        writer.writerows([_csv_cell(v) for v in r] for r in rows)
+        for r in rows:
+            cells = [_csv_cell(v) for v in r]
+            cr = any(isinstance(c, str) and "\r" in c for c in cells)
+            (quoted if cr else writer).writerow(cells)
         out.write(text.getvalue().encode())
         text.seek(0)
         text.truncate()

