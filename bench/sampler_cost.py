@@ -1,6 +1,6 @@
 """Sampler cost as a study grows: one ask+tell through qkscope's runner path vs Optuna direct.
 
-For each sampler qkscope offers (`service.studies.make_sampler`: random, tpe, cmaes, gp,
+For each sampler qkscope offers (`service.runner.search.make_sampler`: random, tpe, cmaes, gp,
 nsga2, grid) and each storage, a study is grown to 100, 1,000 and 10,000 completed trials
 (bulk-written into Optuna's own tables through Optuna's ORM models; the in-memory study
 through `add_trials`), and at each size the time of one trial's Optuna work is measured:

@@ -35,6 +35,7 @@ __all__ = ["DEFAULT_URL", "Client"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 PAGE = 1000  # the trials route's largest page
+METRIC_PAGE = 50_000  # metric rows asked for a call (the route answers at most 100,000)
 
 
 def _raise_for(r: httpx.Response) -> None:
@@ -224,26 +225,40 @@ class Client:
         step_min: int | None = None,
         step_max: int | None = None,
     ) -> MetricSeries:
-        """A trial's per-step metric rows (`name="val_loss"`, `name=["attn_entropy_norm"]`)."""
+        """A trial's per-step metric rows (`name="val_loss"`, `name=["attn_entropy_norm"]`),
+        all of them: the route answers a page at a time (`METRIC_PAGE` rows), and the pages
+        are fetched in turn, following the `X-Next-Cursor` header."""
         trial_id = trial.id if isinstance(trial, Trial) else int(trial)
-        params = {
+        params: dict[str, Any] = {
             "name": _listed(name),
             "layer": layer,
             "head": head,
             "step_min": step_min,
             "step_max": step_max,
+            "limit": METRIC_PAGE,
         }
-        rows = self._json(
-            "GET",
-            f"/v1/trials/{trial_id}/metrics",
-            params={k: v for k, v in params.items() if v is not None},
-        )
-        return MetricSeries(
-            MetricPoint(
-                name=r["name"], step=r["step"], value=r["value"], layer=r["layer"], head=r["head"]
+        params = {k: v for k, v in params.items() if v is not None}
+        points = MetricSeries()
+        cursor: str | None = None
+        while True:
+            r = self._request(
+                "GET",
+                f"/v1/trials/{trial_id}/metrics",
+                params={**params, **({"cursor": cursor} if cursor else {})},
             )
-            for r in rows
-        )
+            points.extend(
+                MetricPoint(
+                    name=m["name"],
+                    step=m["step"],
+                    value=m["value"],
+                    layer=m["layer"],
+                    head=m["head"],
+                )
+                for m in r.json()
+            )
+            cursor = r.headers.get("x-next-cursor")
+            if not cursor:
+                return points
 
     def best(self, study_id: int, feasible_only: bool = True) -> TrialList:
         """The best COMPLETE trial (one objective) or the Pareto front (several)."""

@@ -49,6 +49,11 @@ class Settings(BaseSettings):
     max_trials: int = Field(10_000, ge=1)
     max_steps: int = Field(1_000_000, ge=1)
     max_params: int = Field(200_000_000, ge=1)  # model size limit per trial
+    # The memory one worker may need at the largest point of a study's search space (its
+    # parameters, activations, logits, metrics probe and validation set, times the members
+    # a CPU worker fuses; a GPU worker fits its slots to its memory itself): more is a 422
+    # at POST naming the field. service/space.py `check_memory` estimates it (errs high).
+    max_trial_memory_bytes: int = Field(16 * 2**30, ge=2**20)
 
     def resolved_database_url(self) -> str:
         """The database URL (file, else setting); the embedded default is an absolute SQLite

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -34,7 +35,10 @@ __all__ = [
     "SpecError",
     "StudySpec",
     "apply_params",
+    "check_data_dirs",
+    "check_limits",
     "parse_spec",
+    "with_params",
 ]
 
 
@@ -89,6 +93,9 @@ class IntParam(_Strict):
             raise ValueError(f"low ({self.low}) must be < high ({self.high})")
         if self.log and self.low <= 0:
             raise ValueError(f"log scale needs low > 0, got {self.low}")
+        if self.log and self.step != 1:
+            # Optuna's suggest_int refuses it when the trial asks (a failed study, not a 422).
+            raise ValueError(f"log: true needs step 1 (Optuna refuses it), got step {self.step}")
         return self
 
 
@@ -271,20 +278,29 @@ def _extremes(param: Param) -> list[Scalar]:
     return [param.value]
 
 
-def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
-    """The base config with dotted fields replaced; raises SpecError naming a bad field."""
-    data = base.model_dump(mode="json", by_alias=True)
+def with_params(data: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the dumped config `data` with dotted fields replaced (only the sections on
+    the paths are copied: `data` is left as it was); raises SpecError naming a bad path."""
+    out = dict(data)
     for path, value in params.items():
-        node = data
+        node = out
         keys = path.split(".")
         for key in keys[:-1]:
-            child = node.get(key) if isinstance(node, dict) else None
+            child = node.get(key)
             if not isinstance(child, dict):
                 raise SpecError(path, f"'{key}' is not a section of the trial config")
-            node = child
+            copy = dict(child)
+            node[key] = copy
+            node = copy
         if keys[-1] not in node:
             raise SpecError(path, f"'{keys[-1]}' is not a field of the trial config")
         node[keys[-1]] = value
+    return out
+
+
+def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
+    """The base config with dotted fields replaced; raises SpecError naming a bad field."""
+    data = with_params(base.model_dump(mode="json", by_alias=True), params)
     try:
         return TrialConfig.model_validate(data)
     except ValidationError as e:
@@ -299,9 +315,18 @@ def _count_params(config: TrialConfig, vocab: int) -> int:
 
 
 def check_limits(
-    spec: StudySpec, *, max_trials: int, max_steps: int, max_params: int
+    spec: StudySpec,
+    *,
+    max_trials: int,
+    max_steps: int,
+    max_params: int,
+    max_memory: int | None = None,
 ) -> list[SpecError]:
-    """Deployment limits that depend on settings rather than on the spec alone."""
+    """Deployment limits that depend on settings rather than on the spec alone: trials,
+    steps, parameters and (`max_memory`, QKSCOPE_MAX_TRIAL_MEMORY_BYTES) the memory of one
+    worker at the largest point of the search space (service/space.py, `check_memory`)."""
+    from service.space import check_memory, worst_points  # imports this module
+
     errors: list[SpecError] = []
     if spec.budget.n_trials > max_trials:
         errors.append(SpecError("budget.n_trials", f"{spec.budget.n_trials} > limit {max_trials}"))
@@ -312,19 +337,56 @@ def check_limits(
             worst["steps"] = max(int(float(v)) for v in values)
     if worst["steps"] > max_steps:
         errors.append(SpecError("base.steps", f"{worst['steps']} > limit {max_steps}"))
-    largest = {
-        path: max(_extremes(p), key=lambda v: float(v) if not isinstance(v, str) else 0)
-        for path, p in spec.search_space.items()
-        if path in ("model.d_model", "model.d_ff", "model.n_layers", "task.seq_len")
-    }
-    try:
-        big = apply_params(spec.base, largest)
-    except SpecError:
-        big = spec.base
-    vocab = big.task.vocab_cap + 2 if big.task.kind == "lm" else 4 * big.task.n_symbols + 4
-    n = _count_params(big, vocab)
+    n = 0
+    for _, big in worst_points(spec):  # the largest values together, valid or not
+        vocab = big.task.vocab_cap + 2 if big.task.kind == "lm" else 4 * big.task.n_symbols + 4
+        n = max(n, _count_params(big, vocab))
     if n > max_params:
         errors.append(SpecError("base.model", f"about {n:,} parameters > limit {max_params:,}"))
+    if max_memory is not None:
+        errors += check_memory(spec, max_memory)
+    return errors
+
+
+DATA_DIR_RULE = (
+    "must be a relative path inside the data directory (QKSCOPE_DATA_DIR): no leading '/' "
+    "or '~', no '..', and no symlink out of it"
+)
+
+
+def _data_dir_escapes(value: str, root: str) -> bool:
+    """Whether `value` (a task.data_dir) may point outside `root` (QKSCOPE_DATA_DIR; "" when
+    unset: then relative paths are read from the workers' working directory, and only the
+    spelling is checked). Existing symlinks under `root` are followed; whether anything
+    outside `root` exists never changes the answer, so the 422 tells nothing about it."""
+    path = PurePosixPath(value)
+    if not value or path.is_absolute() or value.startswith("~") or ".." in path.parts:
+        return True
+    if "\\" in value or "\x00" in value:
+        return True
+    if not root:
+        return False
+    try:
+        base = Path(root).resolve()
+        target = (base / path).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a name too long
+        return True
+    return target != base and base not in target.parents
+
+
+def check_data_dirs(spec: StudySpec, root: str) -> list[SpecError]:
+    """`base.task.data_dir` and every value the search space gives `task.data_dir` stay
+    inside `root` (QKSCOPE_DATA_DIR), where the runner resolves them (service/dispatch.py)."""
+    errors: list[SpecError] = []
+    base = spec.base.task.data_dir
+    if base is not None and _data_dir_escapes(base, root):
+        errors.append(SpecError("base.task.data_dir", DATA_DIR_RULE))
+    param = spec.search_space.get("task.data_dir")
+    if param is not None:
+        for v in _extremes(param):
+            if isinstance(v, str) and _data_dir_escapes(v, root):
+                errors.append(SpecError("search_space.task.data_dir", DATA_DIR_RULE))
+                break
     return errors
 
 
@@ -368,6 +430,9 @@ def parse_spec(body: bytes, content_type: str) -> StudySpec:
     field = _bool_for_number(data, spec.model_dump(mode="json", by_alias=True))
     if field is not None:  # pydantic's lax mode reads true as 1
         raise SpecError(field, "expected a number, got a boolean")
+    from service.space import check_search_space  # imports this module
+
+    check_search_space(spec)  # every point the sampler can suggest, not only the endpoints
     return spec
 
 

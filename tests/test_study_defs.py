@@ -24,7 +24,13 @@ def test_study_definition_is_valid(path: Path) -> None:
     spec = parse_spec(path.read_bytes(), "application/yaml")
     s = Settings()
     assert (
-        check_limits(spec, max_trials=s.max_trials, max_steps=s.max_steps, max_params=s.max_params)
+        check_limits(
+            spec,
+            max_trials=s.max_trials,
+            max_steps=s.max_steps,
+            max_params=s.max_params,
+            max_memory=s.max_trial_memory_bytes,
+        )
         == []
     )
     assert spec.description, "each study definition documents its experiment"

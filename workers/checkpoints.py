@@ -22,21 +22,53 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OWNER_FILE", "STOPPED_FILE", "claim_dir", "read_stopped", "write_stopped"]
+__all__ = [
+    "OWNER_FILE",
+    "STOPPED_FILE",
+    "claim_dir",
+    "fsync_dir",
+    "read_stopped",
+    "remove_stray_tmp",
+    "write_stopped",
+]
 
 OWNER_FILE = "owner"
 STOPPED_FILE = "stopped.json"
 
 
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (POSIX: the new name is in the directory's data,
+    which its own fsync flushes)."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stray_tmp(directory: Path) -> None:
+    """Remove the `*.tmp` files an interrupted write left (a crash or a kill between write
+    and rename): they are never read, and a partial checkpoint can be large."""
+    if directory.is_dir():
+        for stray in directory.glob("*.tmp"):
+            stray.unlink(missing_ok=True)
+
+
 def _atomic_write(path: Path, text: str) -> None:
-    """Write, fsync and rename: a crash leaves the old file or the new one, never half."""
+    """Write, fsync and rename, then fsync the directory: a crash leaves the old file or the
+    new one, never half; a failed write removes its temporary file and raises."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def claim_dir(directory: str | Path | None, owner: str | None) -> bool:
@@ -49,6 +81,7 @@ def claim_dir(directory: str | Path | None, owner: str | None) -> bool:
     d = Path(directory)
     marker = d / OWNER_FILE
     if marker.exists() and marker.read_text() == owner:
+        remove_stray_tmp(d)  # ours: what an interrupted write of the last execution left
         return False
     wiped = d.exists() and any(d.iterdir())
     if wiped:

@@ -206,7 +206,14 @@ def _load_checkpoint(mem: Member, device: torch.device, restore_rng: bool) -> No
 
 
 def _save_checkpoint(mem: Member) -> None:
-    """Atomic write: a crash mid-save leaves the previous checkpoint intact."""
+    """Atomic and durable: written to `checkpoint.tmp`, fsynced, renamed over
+    `checkpoint.pt`, then the directory fsynced, so a crash or a power loss leaves the
+    previous checkpoint or the new one, whole (without the fsyncs the rename can reach the
+    disk before the data: an empty or partial checkpoint after a power loss). A failed write
+    (a full disk) removes its `checkpoint.tmp` and raises; one left by a kill mid-write is
+    removed when the directory is next claimed (workers/checkpoints.py)."""
+    from workers.checkpoints import fsync_dir
+
     path = mem.checkpoint_path
     assert path is not None
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,8 +227,16 @@ def _save_checkpoint(mem: Member) -> None:
         "n_evals": mem.n_evals,
     }
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 # ---- model runners ---------------------------------------------------------------------------

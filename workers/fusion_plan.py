@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from workers.config import TrialConfig
 
 __all__ = [
     "AUTO_FUSE_MAX_FLOPS",
     "PER_MEMBER_FIELDS",
+    "LM_VALID_BATCHES",
     "FusionError",
+    "MemoryEstimate",
     "auto_fuse",
     "check_fusable",
     "estimated_params",
     "fusion_key",
     "group_by_key",
     "member_bytes",
+    "memory_estimate",
     "slots_that_fit",
     "step_flops",
     "vocab_bound",
@@ -122,6 +126,76 @@ def member_bytes(config: TrialConfig, vocab_size: int) -> int:
     per_layer = b * t * (12 * d + 2 * f) + b * h * t * t
     logits = 3 * b * t * vocab_size
     return 4 * (4 * params + layers * per_layer + logits)
+
+
+# Host bytes per validation token a synthetic task holds at its peak: x and y as int64 (16 B)
+# and the copies its generation makes on the way (sort and copy measured 36 B, 2026-12).
+VALID_BYTES_PER_TOKEN = 40
+# associative_recall also ranks n_symbols random keys per example (float32 scores, int64
+# argsort: 16 B per example and symbol measured; 24 with the allocator's slack).
+RECALL_BYTES_PER_SYMBOL = 24
+# An lm task keeps at most this many validation batches of windows (tasks.MAX_VALID_BATCHES).
+LM_VALID_BATCHES = 64
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one member of a trial holds at its peak, in bytes, by part (each errs high).
+
+    `parameters`: weights, gradients and AdamW's two moments in float32; `activations`: what a
+    training step keeps for backward (per layer the residual stream, q/k/v, the MLP's hidden
+    layer, the norms and the batch x heads x seq_len^2 attention scores and probabilities,
+    which a CPU or unfused attention kernel materialises); `logits`:
+    the training step's logits, softmax and gradient (batch x seq_len x vocabulary, 3x);
+    `probe`: the metrics probe's attention maps of every layer (probe_batch_size x heads x
+    seq_len^2 each) and its logits; `validation`: the validation set in host memory
+    (synthetic tasks: n_valid x seq_len, generated at once; lm: at most LM_VALID_BATCHES
+    batches of windows; the corpus itself is shared by the members of a process and not
+    counted).
+    """
+
+    parameters: int
+    activations: int
+    logits: int
+    probe: int
+    validation: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.activations + self.logits + self.probe + self.validation
+
+    def largest(self) -> str:
+        """The name of the largest part."""
+        parts = {
+            "parameters": self.parameters,
+            "activations": self.activations,
+            "logits": self.logits,
+            "probe": self.probe,
+            "validation": self.validation,
+        }
+        return max(parts, key=lambda k: parts[k])
+
+
+def memory_estimate(config: TrialConfig, vocab_size: int | None = None) -> MemoryEstimate:
+    """The peak memory of one member of `config`, by part (`vocab_bound` unless given)."""
+    m, t, b = config.model, config.task, config.batch_size
+    vocab = vocab_bound(config) if vocab_size is None else vocab_size
+    d, f, h, layers, seq = m.d_model, m.d_ff, m.n_heads, m.n_layers, t.seq_len
+    per_layer = b * seq * (12 * d + 2 * f) + 2 * b * h * seq * seq  # scores and probabilities
+    p = config.probe_batch_size
+    if t.kind == "lm":
+        validation = 16 * LM_VALID_BATCHES * b * seq
+    else:
+        validation = VALID_BYTES_PER_TOKEN * t.n_valid * seq
+        if t.kind == "associative_recall":
+            validation += RECALL_BYTES_PER_SYMBOL * t.n_valid * t.n_symbols
+    return MemoryEstimate(
+        parameters=16 * estimated_params(config, vocab),
+        activations=4 * layers * per_layer,
+        logits=4 * 3 * b * seq * vocab,
+        probe=4 * ((layers + 2) * p * h * seq * seq + p * seq * vocab),
+        validation=validation,
+    )
 
 
 def slots_that_fit(config: TrialConfig, vocab_size: int, free_bytes: int, wanted: int) -> int:

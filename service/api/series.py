@@ -3,11 +3,13 @@
 `/metrics` answers one JSON object per stored row, which is what a script wants; a page
 drawing a layer x head heatmap over hundreds of evaluations wants the same rows grouped
 by (name, layer, head) with the steps and values as two parallel arrays: about a third of
-the bytes, and no per-row objects to build on either side (100,000 rows: one call).
+the bytes, and no per-row objects to build on either side (100,000 rows: one call; more
+than MAX_ROWS come in pages, `next_cursor`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
@@ -16,6 +18,7 @@ from pydantic import BaseModel, Field
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.openapi import not_found
+from service.api.paging import decode_cursor, encode_cursor
 from service.api.schemas import FieldError
 from service.read import queries
 from service.store.models import Trial
@@ -25,7 +28,7 @@ __all__ = ["MAX_ROWS", "SeriesOut", "TrialSeriesOut", "router"]
 router = APIRouter(prefix="/v1", tags=["trials"])
 
 MAX_INT = 2**31 - 1  # PostgreSQL integer
-MAX_ROWS = 2_000_000  # rows one call returns at most (`truncated` says when there were more)
+MAX_ROWS = 200_000  # rows one call returns at most (`next_cursor` gives the rest, page by page)
 TrialId = Annotated[int, Path(ge=1, le=MAX_INT)]
 MetricName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]{1,64}$")]
 
@@ -43,7 +46,14 @@ class SeriesOut(BaseModel):
 class TrialSeriesOut(BaseModel):
     trial_id: int
     rows: int = Field(description="metric rows in `series`, all series together")
-    truncated: bool = Field(description="true when the trial has more rows than `limit`")
+    truncated: bool = Field(description="true when more rows follow this page (next_cursor)")
+    next_cursor: str | None = Field(
+        None,
+        description=(
+            "pass as cursor= (with the same filters) for the next page; null on the last. "
+            "A series can continue on the next page: append its steps and values"
+        ),
+    )
     series: list[SeriesOut] = Field(description="ordered by (name, layer, head)")
 
 
@@ -59,12 +69,15 @@ def get_series(
     step_min: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     step_max: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_ROWS)] = MAX_ROWS,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> TrialSeriesOut | Response:
     """The trial's metric rows (all names, or those of `name=`) grouped by (name, layer,
     head): what the web UI's heatmaps and curves draw. layer/head are null where the metric
-    has none (docs/metrics.md says which)."""
+    has none (docs/metrics.md says which). At most `limit` rows a call (at most 200,000):
+    `next_cursor`, passed back as `cursor=`, gives the next page."""
+    start = decode_cursor(cursor)
     # On PostgreSQL the database writes the series' JSON (queries.metric_series_json); on
-    # SQLite, or past `limit`, they are grouped here from the rows.
+    # SQLite they are grouped here from the rows.
     if session.get(Trial, trial_id) is None:
         raise ApiError(404, "not_found", f"trial {trial_id} does not exist")
     if step_min is not None and step_max is not None and step_min > step_max:
@@ -75,16 +88,35 @@ def get_series(
             [FieldError(field="step_min", message="must be <= step_max")],
         )
     grouped = queries.metric_series_json(
-        session, trial_id, names=name, step_min=step_min, step_max=step_max, limit=limit
+        session,
+        trial_id,
+        names=name,
+        step_min=step_min,
+        step_max=step_max,
+        limit=limit,
+        start=start,
     )
     if grouped is not None:  # PostgreSQL wrote the series (same shape, same order)
-        n, series_json = grouped
-        body = f'{{"trial_id":{trial_id},"rows":{n},"truncated":false,"series":{series_json}}}'
+        n, series_json, nxt = grouped
+        more = "null" if nxt is None else json.dumps(encode_cursor(nxt))
+        body = (
+            f'{{"trial_id":{trial_id},"rows":{n},"truncated":{"true" if nxt else "false"},'
+            f'"next_cursor":{more},"series":{series_json}}}'
+        )
         return Response(body, media_type="application/json")
     rows = queries.metric_series(
-        session, trial_id, names=name, step_min=step_min, step_max=step_max, limit=limit + 1
+        session,
+        trial_id,
+        names=name,
+        step_min=step_min,
+        step_max=step_max,
+        limit=limit + 1,
+        start=start,
     )
-    truncated = len(rows) > limit
+    next_cursor = None
+    if len(rows) > limit:
+        r = rows[limit]
+        next_cursor = encode_cursor((r.name, r.layer, r.head, r.step))
     series: list[SeriesOut] = []
     key: tuple[str, int, int] | None = None
     for r in rows[:limit]:
@@ -103,5 +135,9 @@ def get_series(
         series[-1].steps.append(r[3])
         series[-1].values.append(r[4])
     return TrialSeriesOut(
-        trial_id=trial_id, rows=min(len(rows), limit), truncated=truncated, series=series
+        trial_id=trial_id,
+        rows=min(len(rows), limit),
+        truncated=next_cursor is not None,
+        next_cursor=next_cursor,
+        series=series,
     )

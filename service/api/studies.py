@@ -19,7 +19,7 @@ from service.control.cancel import cancel_study
 from service.control.launch import launch_study
 from service.read import queries
 from service.resources import unmet
-from service.spec import SpecError, StudySpec, check_limits, parse_spec
+from service.spec import SpecError, StudySpec, check_data_dirs, check_limits, parse_spec
 from service.store.models import Study, StudyStatus, Trial, TrialState
 
 __all__ = ["router"]
@@ -130,11 +130,16 @@ async def submit_study(
 ) -> StudyOut:
     """Validate a study definition (JSON or YAML), store it, and start its Ray job."""
     spec = await _read_spec(request, settings.max_body_bytes)
+    path_errors = check_data_dirs(spec, settings.data_dir)
+    if path_errors:
+        errors = [FieldError(field=e.field, message=e.message) for e in path_errors]
+        raise ApiError(422, "validation_error", "; ".join(str(e) for e in path_errors), errors)
     limit_errors = check_limits(
         spec,
         max_trials=settings.max_trials,
         max_steps=settings.max_steps,
         max_params=settings.max_params,
+        max_memory=settings.max_trial_memory_bytes,
     )
     if limit_errors:
         errors = [FieldError(field=e.field, message=e.message) for e in limit_errors]

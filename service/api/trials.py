@@ -5,17 +5,18 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request, Response
 
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.openapi import not_found
+from service.api.paging import decode_cursor, encode_cursor
 from service.api.schemas import FieldError, MetricOut, TrialOut
 from service.read import queries
 from service.store.models import Trial
 from workers.metric_names import SERIES_NAMES
 
-__all__ = ["router"]
+__all__ = ["MAX_METRIC_ROWS", "NEXT_CURSOR", "router"]
 
 _METRIC_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 
@@ -38,10 +39,32 @@ def get_trial(session: SessionDep, trial_id: TrialId) -> TrialOut:
     return TrialOut.of(_get_trial(session, trial_id), with_summary=True)
 
 
+MAX_METRIC_ROWS = 100_000  # rows one /metrics call returns at most
+NEXT_CURSOR = "X-Next-Cursor"
+
+
 @router.get(
-    "/trials/{trial_id}/metrics", response_model=list[MetricOut], responses=not_found("trial")
+    "/trials/{trial_id}/metrics",
+    response_model=list[MetricOut],
+    responses={
+        **not_found("trial"),
+        200: {
+            "description": (
+                "a page of rows; when there are more, the X-Next-Cursor header (and a Link "
+                'header, rel="next") gives the cursor of the next page'
+            ),
+            "headers": {
+                NEXT_CURSOR: {
+                    "description": "pass as cursor= for the next page; absent on the last",
+                    "schema": {"type": "string"},
+                }
+            },
+        },
+    },
 )
 def get_metrics(
+    request: Request,
+    response: Response,
     session: SessionDep,
     trial_id: TrialId,
     name: Annotated[list[str] | None, Query(max_length=50)] = None,
@@ -49,12 +72,16 @@ def get_metrics(
     head: Annotated[int | None, Bounded] = None,
     step_min: Annotated[int | None, Bounded] = None,
     step_max: Annotated[int | None, Bounded] = None,
-    limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
+    limit: Annotated[int, Query(ge=1, le=MAX_METRIC_ROWS)] = 10_000,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> list[MetricOut]:
     """Metric rows ordered by (name, layer, head, step); layer/head null where not applicable.
 
-    `name=` takes the metric names of docs/metrics.md (or any other name stored for the
-    trial); an unknown name is a 422 naming `name`, not an empty list."""
+    At most `limit` rows a call (at most 100,000); the `X-Next-Cursor` response header,
+    passed back as `cursor=`, gives the next page (with the same filters), until a page comes
+    without it. `name=` takes the metric names of docs/metrics.md (or any other name stored
+    for the trial); an unknown name is a 422 naming `name`, not an empty list."""
+    start = decode_cursor(cursor)
     _get_trial(session, trial_id)
     bad = [n for n in name or [] if not _METRIC_NAME.fullmatch(n)]
     if bad:
@@ -83,8 +110,16 @@ def get_metrics(
         head=head,
         step_min=step_min,
         step_max=step_max,
-        limit=limit,
+        limit=limit + 1,
+        start=start,
     )
+    if len(rows) > limit:
+        nxt = rows[limit]
+        token = encode_cursor((nxt.name, nxt.layer, nxt.head, nxt.step))
+        response.headers[NEXT_CURSOR] = token
+        url = request.url.include_query_params(cursor=token)
+        response.headers["Link"] = f'<{url}>; rel="next"'
+        rows = rows[:limit]
     return [
         MetricOut(
             name=r.name,

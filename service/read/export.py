@@ -7,9 +7,17 @@ Two tables:
 - metrics: the long table of every stored metric value: `number` (the trial number),
   `trial_id`, `name`, `layer`, `head` (empty where the metric has none), `step`, `value`.
 
-Both are read with server-side cursors in batches and written batch by batch (a CSV
-chunk, a Parquet row group, a zip deflate block), so memory stays flat however many
-metric rows a study has.
+In CSV, a string cell that a spreadsheet would take for a formula (=, +, -, @, tab, CR at
+its start; not a number literal such as -3) is written with a leading single quote
+(`neutralise`); Parquet holds the strings as they are.
+
+Both are read in batches by key (keyset pagination: trials by number, a trial's metric
+rows by (name, layer, head, step)), each batch in its own short transaction on a pooled
+connection that goes back to the pool before the batch is written, and written batch by
+batch (a CSV chunk, a Parquet row group, a zip deflate block). So memory stays flat however
+many metric rows a study has, and a slow download holds no connection while the client reads:
+many of them cannot starve the pool the API's other requests need. A study that is still
+running is read as it is at each batch, not as one snapshot.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,16 +36,19 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.read.plots import collapse_class
-from service.store.models import NO_INDEX, SUMMARY_COLUMNS, Metric, Study, Trial
+from service.read.queries import MetricKey, metric_series
+from service.store.models import NO_INDEX, SUMMARY_COLUMNS, Study, Trial
 from service.store.session import session_scope
 from workers.metric_names import SUMMARIES
 
 __all__ = [
     "BATCH_ROWS",
+    "FORMULA_STARTS",
     "MEDIA_TYPES",
     "METRIC_COLUMNS",
     "ExportFormat",
     "export_stream",
+    "neutralise",
     "trial_columns",
 ]
 
@@ -83,11 +95,14 @@ METRIC_COLUMNS = [
 ]
 
 
+_Batches = Callable[[], Iterator[list[list[Any]]]]
+
+
 @dataclass(frozen=True)
 class _Table:
     name: str
     columns: list[tuple[str, str]]
-    batches: Callable[[Session], Iterator[list[list[Any]]]]  # rows, a batch at a time
+    batches: _Batches  # rows, a batch at a time, each read in its own short transaction
 
 
 # ---- the trials table --------------------------------------------------------------------------
@@ -156,25 +171,26 @@ def _trial_row(t: Trial, columns: list[tuple[str, str]]) -> list[Any]:
     return row
 
 
-_Batches = Callable[[Session], Iterator[list[list[Any]]]]
-
-
-def _trial_batches(study_id: int, columns: list[tuple[str, str]], batch: int) -> _Batches:
-    def batches(session: Session) -> Iterator[list[list[Any]]]:
-        q = (
-            select(Trial)
-            .where(Trial.study_id == study_id)
-            .order_by(Trial.number)
-            .execution_options(yield_per=min(batch, 1000))
-        )
-        rows: list[list[Any]] = []
-        for t in session.scalars(q):
-            rows.append(_trial_row(t, columns))
-            if len(rows) >= batch:
-                yield rows
-                rows = []
-        if rows:
-            yield rows
+def _trial_batches(
+    sessions: sessionmaker[Session], study_id: int, columns: list[tuple[str, str]], batch: int
+) -> _Batches:
+    def batches() -> Iterator[list[list[Any]]]:
+        after = -1
+        while True:
+            with session_scope(sessions) as session:
+                q = (
+                    select(Trial)
+                    .where(Trial.study_id == study_id, Trial.number > after)
+                    .order_by(Trial.number)
+                    .limit(batch)
+                )
+                rows = [(t.number, _trial_row(t, columns)) for t in session.scalars(q)]
+            if not rows:
+                return
+            after = rows[-1][0]
+            yield [r for _, r in rows]
+            if len(rows) < batch:
+                return
 
     return batches
 
@@ -182,35 +198,41 @@ def _trial_batches(study_id: int, columns: list[tuple[str, str]], batch: int) ->
 # ---- the metrics table -------------------------------------------------------------------------
 
 
-def _metric_batches(study_id: int, batch: int) -> _Batches:
-    def batches(session: Session) -> Iterator[list[list[Any]]]:
-        trials = session.execute(
-            select(Trial.number, Trial.id).where(Trial.study_id == study_id).order_by(Trial.number)
-        ).all()
+def _metric_batches(sessions: sessionmaker[Session], study_id: int, batch: int) -> _Batches:
+    def batches() -> Iterator[list[list[Any]]]:
+        with session_scope(sessions) as session:
+            trials = session.execute(
+                select(Trial.number, Trial.id)
+                .where(Trial.study_id == study_id)
+                .order_by(Trial.number)
+            ).all()
         rows: list[list[Any]] = []
         for number, trial_id in trials:
-            # Per trial, in primary-key order: an index range scan, no sort of the whole study.
-            q = (
-                select(Metric.name, Metric.layer, Metric.head, Metric.step, Metric.value)
-                .where(Metric.trial_id == trial_id)
-                .order_by(Metric.name, Metric.layer, Metric.head, Metric.step)
-                .execution_options(yield_per=batch)
-            )
-            for name, layer, head, step, value in session.execute(q):
-                rows.append(
-                    [
-                        number,
-                        trial_id,
-                        name,
-                        None if layer == NO_INDEX else layer,
-                        None if head == NO_INDEX else head,
-                        step,
-                        value,
-                    ]
-                )
-                if len(rows) >= batch:
-                    yield rows
-                    rows = []
+            # Per trial, in primary-key order from where the last read stopped: an index
+            # range scan, no sort of the whole study, no offset to skip.
+            start: MetricKey | None = None
+            while True:
+                with session_scope(sessions) as session:
+                    got = metric_series(session, trial_id, limit=batch + 1, start=start)
+                for name, layer, head, step, value in got[:batch]:
+                    rows.append(
+                        [
+                            number,
+                            trial_id,
+                            name,
+                            None if layer == NO_INDEX else layer,
+                            None if head == NO_INDEX else head,
+                            step,
+                            value,
+                        ]
+                    )
+                    if len(rows) >= batch:
+                        yield rows
+                        rows = []
+                if len(got) <= batch:
+                    break
+                nxt = got[batch]
+                start = (nxt.name, nxt.layer, nxt.head, nxt.step)
         if rows:
             yield rows
 
@@ -276,9 +298,27 @@ class _Counting:
         return True
 
 
+# A spreadsheet reads a cell that starts with one of these as a formula (CSV injection).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+# A plain number literal (a negative number is not a formula): left as it is.
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def neutralise(text: str) -> str:
+    """OWASP's CSV-injection defence: a string cell that a spreadsheet would run as a formula
+    (it starts with =, +, -, @, a tab or a carriage return) gets a leading single quote, so
+    it is shown as text; the csv writer quotes it where needed. Number literals ("-3",
+    "+1.5e-3") are left alone, so they stay numbers."""
+    if text.startswith(FORMULA_STARTS) and not _NUMBER.fullmatch(text):
+        return "'" + text
+    return text
+
+
 def _csv_cell(v: Any) -> Any:
     if v is None:
         return ""
+    if isinstance(v, str):
+        return neutralise(v)
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, datetime):
@@ -288,12 +328,18 @@ def _csv_cell(v: Any) -> Any:
     return v
 
 
-def _write_csv(table: _Table, session: Session, out: Any) -> Iterator[None]:
+def _write_csv(table: _Table, out: Any) -> Iterator[None]:
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
+    # The csv module quotes a field holding "\n" (the line terminator) but not a bare "\r",
+    # which readers take for a line end: a row with one is written fully quoted.
+    quoted = csv.writer(text, lineterminator="\n", quoting=csv.QUOTE_ALL)
     writer.writerow([c for c, _ in table.columns])
-    for rows in table.batches(session):
-        writer.writerows([_csv_cell(v) for v in r] for r in rows)
+    for rows in table.batches():
+        for r in rows:
+            cells = [_csv_cell(v) for v in r]
+            cr = any(isinstance(c, str) and "\r" in c for c in cells)
+            (quoted if cr else writer).writerow(cells)
         out.write(text.getvalue().encode())
         text.seek(0)
         text.truncate()
@@ -322,14 +368,14 @@ def _arrow_value(v: Any) -> Any:
     return v
 
 
-def _write_parquet(table: _Table, session: Session, out: Any) -> Iterator[None]:
+def _write_parquet(table: _Table, out: Any) -> Iterator[None]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     schema = _arrow_schema(table.columns)
     with pq.ParquetWriter(pa.PythonFile(out, mode="w"), schema, compression="zstd") as writer:
         wrote = False
-        for rows in table.batches(session):
+        for rows in table.batches():
             cols = list(zip(*rows, strict=True))
             arrays = [
                 pa.array([_arrow_value(v) for v in col], type=field.type)
@@ -348,14 +394,23 @@ MEDIA_TYPES = {"csv": "text/csv; charset=utf-8", "parquet": "application/vnd.apa
 
 
 def export_plan(
-    session: Session, study: Study, what: Literal["trials", "metrics", "both"], batch: int
+    sessions: sessionmaker[Session],
+    study_id: int,
+    what: Literal["trials", "metrics", "both"],
+    batch: int,
 ) -> list[_Table]:
+    """The tables to write, their columns read now (one short transaction); LookupError for
+    a study that does not exist."""
     tables = []
+    with session_scope(sessions) as session:
+        study = session.get(Study, study_id)
+        if study is None:
+            raise LookupError(f"study {study_id} does not exist")
+        cols = trial_columns(session, study) if what in ("trials", "both") else []
     if what in ("trials", "both"):
-        cols = trial_columns(session, study)
-        tables.append(_Table("trials", cols, _trial_batches(study.id, cols, batch)))
+        tables.append(_Table("trials", cols, _trial_batches(sessions, study_id, cols, batch)))
     if what in ("metrics", "both"):
-        tables.append(_Table("metrics", METRIC_COLUMNS, _metric_batches(study.id, batch)))
+        tables.append(_Table("metrics", METRIC_COLUMNS, _metric_batches(sessions, study_id, batch)))
     return tables
 
 
@@ -370,30 +425,27 @@ def export_stream(
     """The bytes of one table (`what` = trials or metrics) or of a zip holding both tables
     (`what` = both: trials.<fmt> and metrics.<fmt>), chunk by chunk.
 
-    Opens its own session (read-only work, one transaction), so it can run after the
-    request's session is gone; the study must exist."""
+    Every read is its own short transaction from `sessions` (none is open while a chunk is
+    handed to the caller), so it can run after the request's session is gone and a slow
+    reader holds no connection; the study must exist."""
     sink = _Sink()
     write = _WRITERS[fmt]
-    with session_scope(sessions) as session:
-        study = session.get(Study, study_id)
-        if study is None:
-            raise LookupError(f"study {study_id} does not exist")
-        tables = export_plan(session, study, what, batch)
-        if what != "both":
-            for _ in write(tables[0], session, sink):
-                if chunk := sink.drain():
-                    yield chunk
-            return
-        stamp = datetime.now(UTC).timetuple()[:6]
-        method = zipfile.ZIP_DEFLATED if fmt == "csv" else zipfile.ZIP_STORED
-        with zipfile.ZipFile(sink, "w") as zf:
-            for table in tables:
-                info = zipfile.ZipInfo(f"{table.name}.{fmt}", date_time=stamp)
-                info.compress_type = method
-                info.external_attr = 0o644 << 16
-                with zf.open(info, "w", force_zip64=True) as member:
-                    for _ in write(table, session, _Counting(member)):
-                        if chunk := sink.drain():
-                            yield chunk
-        if chunk := sink.drain():
-            yield chunk
+    tables = export_plan(sessions, study_id, what, batch)
+    if what != "both":
+        for _ in write(tables[0], sink):
+            if chunk := sink.drain():
+                yield chunk
+        return
+    stamp = datetime.now(UTC).timetuple()[:6]
+    method = zipfile.ZIP_DEFLATED if fmt == "csv" else zipfile.ZIP_STORED
+    with zipfile.ZipFile(sink, "w") as zf:
+        for table in tables:
+            info = zipfile.ZipInfo(f"{table.name}.{fmt}", date_time=stamp)
+            info.compress_type = method
+            info.external_attr = 0o644 << 16
+            with zf.open(info, "w", force_zip64=True) as member:
+                for _ in write(table, _Counting(member)):
+                    if chunk := sink.drain():
+                        yield chunk
+    if chunk := sink.drain():
+        yield chunk

@@ -212,6 +212,25 @@ def test_metric_series(qk: Client, seeded: dict[str, Any]) -> None:
     assert [(p.layer, p.head, p.step, p.value) for p in only] == [(0, 0, 50, 50.0)]
 
 
+def test_metric_series_pages_transparently(
+    qk: Client, seeded: dict[str, Any], engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The /metrics route answers a page at a time (issue 27); the client follows the
+    cursor, so a trial with more rows than a page comes back whole and in order."""
+    from service.store.ingest import insert_metrics
+
+    tid = seeded["ids"][2]
+    with Session(engine) as s:
+        insert_metrics(
+            s, [{"trial_id": tid, "name": "lr", "step": i, "value": i / 3} for i in range(2_500)]
+        )
+        s.commit()
+    monkeypatch.setattr(qkscope.client, "METRIC_PAGE", 1_000)
+    rows = qk.metrics(tid, name="lr")
+    assert [(p.step, p.value) for p in rows] == [(i, i / 3) for i in range(2_500)]
+    assert qk.metrics(tid) == rows  # the trial's only rows, without a name filter too
+
+
 def test_best_is_the_lowest_complete_trial(qk: Client, seeded: dict[str, Any]) -> None:
     best = qk.best(seeded["sid"])
     assert [t.number for t in best] == [4] and best[0].value == 1.2

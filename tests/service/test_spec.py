@@ -146,3 +146,19 @@ def test_fuse_auto_resolves_per_study_and_never_refuses() -> None:
     assert StudySpec.model_validate({**dropout, "fuse": "auto"}).slots == 1
     assert any("fuse" in m for m in errors_of({**dropout, "fuse": 4}))
     assert StudySpec.model_validate({**BASE, "fuse": 3}).slots == 3
+
+
+def test_data_dir_without_a_data_root_must_still_be_relative_and_stay_down() -> None:
+    """With QKSCOPE_DATA_DIR unset the workers read relative paths from their working
+    directory: absolute, `~` and `..` paths are refused all the same."""
+    from service.spec import check_data_dirs
+
+    def spec(data_dir: str) -> StudySpec:
+        task = {"kind": "lm", "data_dir": data_dir, "tokenizer": "char", "vocab_cap": 256}
+        return StudySpec.model_validate(
+            {"name": "d", "budget": {"n_trials": 1}, "base": {"task": task}}
+        )
+
+    for bad in ("/data/wikitext-2", "~/corpus", "../corpus", "a/../../b", ""):
+        assert [e.field for e in check_data_dirs(spec(bad), "")] == ["base.task.data_dir"], bad
+    assert check_data_dirs(spec("wikitext-2"), "") == []

@@ -359,6 +359,53 @@ def test_a_running_study_and_trial_update_without_reload(
     assert page.errors == [], page.errors
 
 
+def test_a_trial_past_one_series_page_is_drawn_whole(
+    browser: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """/series answers at most 200,000 rows a call (issue 27: it used to answer 2 M); the
+    trial page follows `next_cursor` and draws every row of a trial that has more."""
+    from service.api.series import MAX_ROWS
+    from service.store.ingest import insert_metrics
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('bigdb') / 'qkscope.db'}"
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    try:
+        sid = ui_seed.add_study(engine, "big", status="COMPLETED")
+        tid = ui_seed.add_trial(engine, sid, 0, "COMPLETE", ui_seed.STEPS)
+        extra = MAX_ROWS + 5_000
+        with Session(engine) as s:
+            insert_metrics(
+                s,
+                [
+                    {"trial_id": tid, "name": "reg_penalty", "step": 1000 + i, "value": i / extra}
+                    for i in range(extra)
+                ],
+            )
+            s.commit()
+            stored = s.scalar(
+                select(func.count())
+                .select_from(Metric)
+                .where(Metric.trial_id == tid, Metric.name == "reg_penalty")
+            )
+        assert stored == extra + len(ui_seed.STEPS)
+        for base in _serve(url, tmp_path_factory.mktemp("home"), ""):
+            page = Page(browser, base)
+            try:
+                p = page.open(f"#/trials/{tid}", "trial")
+                drawn = p.evaluate(
+                    f"() => window.qkCharts.get('penalty-{tid}').getOption().series"
+                    ".map(s => s.data.length)"
+                )
+                assert drawn == [stored]
+                assert any("cursor=" in u for u in page.urls if "/series" in u), page.urls
+                assert page.errors == [], page.errors
+            finally:
+                page.close()
+    finally:
+        engine.dispose()
+
+
 def test_with_tokens_no_data_without_a_valid_token(
     browser: Any, secured_site: str, db: tuple[str, Engine, ui_seed.Seeded]
 ) -> None:
@@ -471,6 +518,85 @@ def chart_point_xy(p: Any, chart_id: str, series: int, index: int) -> tuple[floa
     )
     box = p.locator(f"#{chart_id}").bounding_box()
     return box["x"] + xy[0], box["y"] + xy[1]
+
+
+def test_metric_routes_answer_bounded_pages_that_add_up(db_url: str, tmp_path: Path) -> None:
+    """Issue 27: /metrics answered up to 1 M rows a call and /series 2 M. Now /metrics
+    answers 10,000 by default and 100,000 at most, /series 200,000 at most, each with a
+    cursor to the next page; paging through either gives every row once, in order, on
+    SQLite and PostgreSQL (where the database writes the series' JSON)."""
+    from fastapi.testclient import TestClient
+
+    from service.api.series import MAX_ROWS
+    from service.api.trials import MAX_METRIC_ROWS
+    from service.app import create_app
+    from service.store.ingest import insert_metrics
+
+    migrate.upgrade(db_url)
+    engine = make_engine(db_url)
+    try:
+        sid = ui_seed.add_study(engine, "pages")
+        tid = ui_seed.add_trial(engine, sid, 0, "COMPLETE", ui_seed.STEPS)
+        with Session(engine) as s:
+            insert_metrics(
+                s,
+                [{"trial_id": tid, "name": "lr", "step": i, "value": i / 7} for i in range(25_000)],
+            )
+            s.commit()
+            stored = [
+                (n, None if ly < 0 else ly, None if hd < 0 else hd, st, v)
+                for n, ly, hd, st, v in s.execute(
+                    select(Metric.name, Metric.layer, Metric.head, Metric.step, Metric.value)
+                    .where(Metric.trial_id == tid)
+                    .order_by(Metric.name, Metric.layer, Metric.head, Metric.step)
+                ).all()
+            ]
+        settings = Settings(database_url=db_url, ray_address="", api_tokens="", home=tmp_path)
+        with TestClient(create_app(settings, reconcile_loop=False)) as c:
+            first = c.get(f"/v1/trials/{tid}/metrics")
+            assert first.status_code == 200 and len(first.json()) == 10_000
+            assert first.headers["x-next-cursor"] and 'rel="next"' in first.headers["link"]
+            for route, too_many in (("metrics", MAX_METRIC_ROWS + 1), ("series", MAX_ROWS + 1)):
+                r = c.get(f"/v1/trials/{tid}/{route}", params={"limit": too_many})
+                assert r.status_code == 422 and r.json()["errors"][0]["field"] == "limit"
+                r = c.get(f"/v1/trials/{tid}/{route}", params={"cursor": "bm90IGEgY3Vyc29y"})
+                assert r.status_code == 422 and r.json()["errors"][0]["field"] == "cursor"
+
+            rows: list[tuple[Any, ...]] = []
+            cursor = None
+            while True:
+                r = c.get(f"/v1/trials/{tid}/metrics", params={"limit": 7_000, "cursor": cursor})
+                assert r.status_code == 200, r.text
+                page = r.json()
+                assert len(page) <= 7_000
+                rows += [(m["name"], m["layer"], m["head"], m["step"], m["value"]) for m in page]
+                cursor = r.headers.get("x-next-cursor")
+                if cursor is None:
+                    break
+            assert rows == stored
+
+            rows, cursor, pages = [], None, 0
+            while True:
+                r = c.get(f"/v1/trials/{tid}/series", params={"limit": 4_000, "cursor": cursor})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                pages += 1
+                assert body["rows"] <= 4_000 and body["truncated"] == (
+                    body["next_cursor"] is not None
+                )
+                rows += [
+                    (x["name"], x["layer"], x["head"], st, v)
+                    for x in body["series"]
+                    for st, v in zip(x["steps"], x["values"], strict=True)
+                ]
+                cursor = body["next_cursor"]
+                if cursor is None:
+                    break
+            assert rows == stored and pages == -(-len(stored) // 4_000)
+            whole = c.get(f"/v1/trials/{tid}/series").json()
+            assert whole["rows"] == len(stored) and whole["next_cursor"] is None
+    finally:
+        engine.dispose()
 
 
 def test_clicking_a_phase_map_point_opens_its_trial(

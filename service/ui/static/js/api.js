@@ -46,3 +46,29 @@ export async function get(path, params = {}, {signal} = {}) {
   if (!r.ok) throw new ApiError(r.status, body);
   return body;
 }
+
+/** All of a trial's /series, page by page (the route answers at most 200,000 rows a call and
+ * a `next_cursor` while more follow): one {trial_id, rows, series} as if from one call, a
+ * series that continues on the next page joined to its start. */
+export async function getSeries(trialId, params = {}, opts = {}) {
+  let out = null;
+  let cursor = null;
+  do {
+    const page = await get(`/v1/trials/${trialId}/series`, {...params, cursor}, opts);
+    if (out === null) {
+      out = {trial_id: page.trial_id, rows: 0, truncated: false, next_cursor: null, series: []};
+    }
+    out.rows += page.rows;
+    for (const s of page.series) {
+      const last = out.series[out.series.length - 1];
+      if (last && last.name === s.name && last.layer === s.layer && last.head === s.head) {
+        for (let i = 0; i < s.steps.length; i++) { last.steps.push(s.steps[i]); last.values.push(s.values[i]); }
+      } else {
+        out.series.push(s);
+      }
+    }
+    cursor = page.next_cursor;
+  } while (cursor);
+  return out;
+}
+

@@ -2,13 +2,14 @@
 // the plateaus (and `trapped`) marked; normalised attention entropy as a layer x head heatmap
 // over steps with the collapse threshold; rank-collapse ratio per layer; QK eigenspectrum
 // mean and variance per head; the regularizer's penalty; config, summary, state, attempts
-// and node. Every series a chart draws comes from one call (/v1/trials/{id}/series?name=...).
+// and node. Every series a chart draws comes from one route (/v1/trials/{id}/series?name=...),
+// in one call up to 200,000 rows, page by page beyond (api.js getSeries).
 //
 // Sizes: a 4-layer 8-head model evaluated 725 times stores 100,000 rows. The heatmap is one
 // canvas image (heatmap.js); the per-head QK curves show one layer at a time (a picker) when
 // there are more than MAX_HEAD_LINES heads, and ECharts thins each line (LTTB) to the pixels.
 
-import {get} from './api.js';
+import {get, getSeries} from './api.js';
 import {COLLAPSED, chartBox, draw, lineOption, loadECharts, register} from './charts.js';
 import {badge, duration, every, fill, fmt, h, kvTable} from './dom.js';
 import {Heatmap} from './heatmap.js';
@@ -63,7 +64,7 @@ export async function trialsPage(ctx, ids) {
   async function load(p) {
     // The series (the big one) and the trial in parallel; its study (once per study) as soon
     // as the trial names it, while the series is still on its way.
-    const series = get(`/v1/trials/${p.id}/series`, {name: DRAWN});
+    const series = getSeries(p.id, {name: DRAWN});
     series.catch(() => {});  // awaited below
     const trial = await get(`/v1/trials/${p.id}`);
     if (!studies.has(trial.study_id)) studies.set(trial.study_id, get(`/v1/studies/${trial.study_id}`));

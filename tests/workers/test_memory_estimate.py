@@ -1,0 +1,68 @@
+"""`workers.fusion_plan.memory_estimate` (the POST-time memory check's figure, torch-free)
+against real torch: a trial run in its own process never grows its peak resident memory past
+the estimate, and the estimate is not wildly above it (it would refuse studies that fit)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from workers.config import TrialConfig
+from workers.fusion_plan import memory_estimate
+
+# Each config makes a different part the largest one.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "activations": {
+        "batch_size": 32,
+        "task": {"kind": "copy", "seq_len": 256, "n_valid": 64},
+        "model": {"n_heads": 8},
+    },
+    "recall": {
+        "batch_size": 8,
+        "task": {"kind": "associative_recall", "n_symbols": 1024, "n_valid": 20_000},
+    },
+    "sort": {"batch_size": 8, "task": {"kind": "sort", "seq_len": 1024, "n_valid": 10_000}},
+}
+
+SCRIPT = """
+import json, resource, sys
+import torch
+torch.set_num_threads(1)
+from workers.config import TrialConfig
+from workers.trial import run_trial
+config = TrialConfig.model_validate(json.loads(sys.argv[1]))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+run_trial(config)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(after - before))
+"""
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_estimate_bounds_a_real_trial(name: str) -> None:
+    config = TrialConfig.model_validate(
+        {**CONFIGS[name], "steps": 3, "eval_every": 3, "device": "cpu", "dtype": "float32"}
+    )
+    est = memory_estimate(config)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, config.model_dump_json(by_alias=True)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    grown = json.loads(out.stdout.strip().splitlines()[-1])
+    assert grown <= est.total, (name, grown, est)
+    # Within a factor of the estimate (first-touch libraries and allocator slack included).
+    assert est.total <= 6 * max(grown, 32 * 2**20), (name, grown, est)
+
+
+def test_the_lm_validation_bound_is_the_tasks_own() -> None:
+    from workers.fusion_plan import LM_VALID_BATCHES
+    from workers.tasks import MAX_VALID_BATCHES
+
+    assert LM_VALID_BATCHES == MAX_VALID_BATCHES
