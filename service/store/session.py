@@ -126,10 +126,16 @@ def make_reader(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False, info={"read_only": True})
 
 
+_WRITES = ("insert", "update", "delete", "merge", "create", "drop", "alter", "truncate", "copy")
+
+
 @event.listens_for(Session, "do_orm_execute")
 def _refuse_dml(state: Any) -> None:
-    if state.session.info.get("read_only") and not state.is_select:
-        raise ReadOnlyError(f"read-only session: {str(state.statement)[:80]}")
+    if not state.session.info.get("read_only"):
+        return
+    text = str(state.statement).lstrip().lower()
+    if state.is_insert or state.is_update or state.is_delete or text.startswith(_WRITES):
+        raise ReadOnlyError(f"read-only session: {text[:80]}")
 
 
 @event.listens_for(Session, "before_flush")

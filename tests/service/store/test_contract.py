@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.spec import StudySpec
@@ -74,6 +74,11 @@ def test_read_sessions_refuse_every_write(store: Store, engine: Engine) -> None:
         row.name = "changed"  # flushed at commit
     with pytest.raises(ReadOnlyError), session_scope(reader) as s:
         s.add(Trial(study_id=sid, number=99, params={}))
+    with pytest.raises(ReadOnlyError), session_scope(reader) as s:
+        s.execute(text("DELETE FROM qk_trial"))
+    with session_scope(reader) as s:  # what a reader may run besides SELECT: settings
+        if s.get_bind().dialect.name == "postgresql":
+            s.execute(text("SET LOCAL extra_float_digits = 1"))
     assert store.studies.get(sid).name == "quickstart"  # type: ignore[union-attr]
 
 
