@@ -109,6 +109,8 @@ class Trial:
     trapped: bool | None = None
     penalty_version: int | None = None
     error: str | None = None
+    # Why a PRUNED trial stopped: a constraint it could no longer meet, or the pruner.
+    stop_reason: str | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
     duration_s: float | None = None

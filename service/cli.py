@@ -83,6 +83,7 @@ def results_table(qk: Client, study_id: int, limit: int = 50, sort: str = "value
         "-" * len(line),
     ]
     out += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    out += [f"trial {t.number} stopped: {t.stop_reason}" for t in trials if t.stop_reason]
     out.append(
         f"entropy-collapse rate {_fmt(summary.entropy_collapse_rate)}, "
         f"rank-collapse rate {_fmt(summary.rank_collapse_rate)}, "

@@ -117,6 +117,12 @@ Param = Annotated[
 ]
 
 
+# Evaluations in a row a constraint that can still be undone must be violated before the
+# trial is stopped (bench/infeasible_patience.py measured where shorter patience stops
+# trials that would have ended feasible).
+INFEASIBLE_PATIENCE = 3
+
+
 class SamplerSpec(_Strict):
     kind: Literal["random", "grid", "tpe", "cmaes", "gp", "nsga2"] = "tpe"
     seed: int | None = Field(None, ge=0, lt=2**32)
@@ -128,6 +134,11 @@ class PrunerSpec(_Strict):
     n_startup_trials: int = Field(2, ge=0, le=10_000)
     n_warmup_steps: int = Field(0, ge=0)
     percentile: float = Field(25.0, gt=0.0, lt=100.0)
+    # Stop a trial once it can no longer meet the study's constraints (workers/stopping.py):
+    # at once where the violation can never be undone (a running minimum below a lower
+    # bound), else after it held for `infeasible_patience` evaluations in a row.
+    stop_infeasible: bool = True
+    infeasible_patience: int = Field(INFEASIBLE_PATIENCE, ge=1, le=1000)
 
 
 class Budget(_Strict):

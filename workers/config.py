@@ -291,6 +291,9 @@ class TrialSummary(BaseModel):
     longest_plateau: int = 0
     trapped: bool = False
     diverged_at_step: int | None = None
+    # Why a pruned trial stopped: a constraint it could no longer meet (decided by the worker,
+    # workers/stopping.py) or the pruner's verdict (the service's words).
+    stop_reason: str | None = None
     eval_steps: list[int] = Field(default_factory=list)  # training evaluations (step >= 1)
     val_losses: list[float | None] = Field(default_factory=list)
     # The untrained model (step 0), with `eval_at_init` only; same reductions as the final ones.

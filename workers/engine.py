@@ -39,6 +39,7 @@ from workers.checkpoints import claim_dir, read_stopped, write_stopped
 from workers.config import MetricPoint, TrialConfig, TrialStatus, TrialSummary
 from workers.evaluation import History, init_points, penalty, probe_metrics, summarize, val_loss
 from workers.model import GPT
+from workers.stopping import Stopper, StopRule
 from workers.tasks import Task, build_task
 
 __all__ = [
@@ -156,6 +157,8 @@ class Member:
     admitted: float = 0.0  # perf_counter at admission: the member's own wall time
     summary: TrialSummary | None = None  # set when it has finished
     tag: Any = None  # the caller's handle (e.g. the trial number)
+    stopper: Stopper | None = None  # the study's constraints, checked at every evaluation
+    stop_reason: str | None = None
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -170,9 +173,15 @@ class Member:
 
 
 def new_member(
-    config: TrialConfig, reporter: Reporter | None, device: torch.device, tag: Any = None
+    config: TrialConfig,
+    reporter: Reporter | None,
+    device: torch.device,
+    tag: Any = None,
+    stop_rules: Sequence[StopRule] = (),
 ) -> Member:
-    """A member at step 0, from its seed (its data, init, probe batch and data order)."""
+    """A member at step 0, from its seed (its data, init, probe batch and data order); with
+    `stop_rules`, stopped (pruned) at the first evaluation after which it can no longer meet
+    them (workers/stopping.py)."""
     task = build_task(config.task, config.seed)
     model = build_model(config, task).to(device)
     probe_x, _ = task.train_batch(
@@ -188,6 +197,7 @@ def new_member(
         probe_x=probe_x.to(device),
         val_batches=task.valid_batches(config.batch_size)[: config.eval_batches],
         tag=tag,
+        stopper=Stopper(list(stop_rules)) if stop_rules else None,
     )
 
 
@@ -417,7 +427,7 @@ class Engine:
             mem.diverged_at,
             elapsed,
             self.device,
-        ).model_copy(update={"steps_done": mem.step})
+        ).model_copy(update={"steps_done": mem.step, "stop_reason": mem.stop_reason})
         write_stopped(
             mem.config.checkpoint.dir,
             {
@@ -521,10 +531,29 @@ class Engine:
             return True
         if mem.checkpoint_path is not None and mem.n_evals % mem.config.checkpoint.every_evals == 0:
             _save_checkpoint(mem)
+        if mem.stopper is not None and (reason := self._infeasible(mem)) is not None:
+            mem.status, mem.stop_reason = "pruned", reason
+            return True
         if stop:
             mem.status = "pruned"
             return True
         return False
+
+    def _infeasible(self, mem: Member) -> str | None:
+        """Why the member can no longer meet its study's constraints, judged on the summary
+        it would have if it stopped here; None when it may still."""
+        assert mem.stopper is not None
+        now = summarize(
+            mem.config,
+            mem.task,
+            mem.hist,
+            "completed",
+            mem.step - mem.start,
+            None,
+            0.0,
+            self.device,
+        )
+        return mem.stopper.check(mem.step, now)
 
     def run(self) -> None:
         """Train until every admitted member has finished."""

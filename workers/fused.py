@@ -44,6 +44,7 @@ from workers.fusion_plan import (
     fusion_key,
     group_by_key,
 )
+from workers.stopping import StopRule
 
 __all__ = [
     "FusedRunner",
@@ -279,8 +280,10 @@ class FusedRunner:
 def run_trial_group(
     configs: Sequence[TrialConfig],
     reporters: Sequence[Reporter | None] | None = None,
+    stop_rules: Sequence[StopRule] = (),
 ) -> list[TrialSummary]:
-    """Train the configs as one fused model; one summary per config, in order.
+    """Train the configs as one fused model; one summary per config, in order (with
+    `stop_rules`: each member stops once it can no longer meet them).
 
     All configs must share a `fusion_key` and pass `check_fusable` (else FusionError).
     """
@@ -296,7 +299,9 @@ def run_trial_group(
     device = resolve_device(configs[0])
     ctx = autocast_for(configs[0], device)
     engine = Engine(FusedRunner(len(configs), device, ctx), device, ctx)
-    members = [new_member(c, r, device) for c, r in zip(configs, reps, strict=True)]
+    members = [
+        new_member(c, r, device, stop_rules=stop_rules) for c, r in zip(configs, reps, strict=True)
+    ]
     for mem in members:
         engine.admit(mem)
     engine.run()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.config import TrialSummary
+from workers.stopping import StopRule
 
 __all__ = [
     "Assignment",
@@ -41,10 +42,12 @@ Point = tuple[str, int | None, int | None, float]
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """A trial the runner gives a worker: its full config (JSON) and its number."""
+    """A trial the runner gives a worker: its number, its full config (JSON) and the rules
+    that stop it once it can no longer meet the study's constraints."""
 
     trial: int
     config: dict[str, Any]
+    stop_rules: tuple[StopRule, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,17 @@ class Summary:
     objective: bool  # a study may optimise or constrain it
 
     @property
+    def moves(self) -> Literal["down", "up", "fixed", "any"]:
+        """How its value can move as evaluations go on: a running minimum only goes down, a
+        value of the untrained model is fixed; anything else may go either way. This is what
+        says whether a violated constraint on it can still be undone (workers/stopping.py)."""
+        if self.over == "min":
+            return "down"
+        if self.over == "init":
+            return "fixed"
+        return "any"
+
+    @property
     def aggregate(self) -> str:
         """How it aggregates, in words: e.g. `final of mean over layers and heads`."""
         within = {

@@ -167,7 +167,7 @@ class SlotWorker:
         self.reporters[item.trial] = reporter
         self.all_reporters.append(reporter)
         self.admitted += 1
-        member = new_member(config, reporter, self.device, tag=item.trial)
+        member = new_member(config, reporter, self.device, item.trial, item.stop_rules)
         if self.admitted == 1:
             self._fit_slots(member)
         self.engine.admit(member)

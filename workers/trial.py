@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from workers.config import (
@@ -47,6 +47,7 @@ from workers.engine import (
     resolve_device,
 )
 from workers.evaluation import probe_metrics
+from workers.stopping import StopRule
 
 __all__ = [
     "NAN_CHECK_EVERY",
@@ -70,17 +71,19 @@ def run_trial(
     reporter: Reporter | None = None,
     *,
     progress: Callable[[int], None] | None = None,
+    stop_rules: Sequence[StopRule] = (),
 ) -> TrialSummary:
     """Train, probe every `eval_every` steps, report, checkpoint; return the summary.
 
     With `config.eval_at_init`, the untrained model is evaluated and reported first, as
     step 0 (no train loss or gradient norm exists yet); never again after a resume. A trial
-    whose checkpoint directory records that it stopped returns that summary untrained.
+    whose checkpoint directory records that it stopped returns that summary untrained. With
+    `stop_rules`, it stops (pruned) once it can no longer meet them (workers/stopping.py).
     """
     device = resolve_device(config)
     ctx = autocast_for(config, device)
     engine = Engine(PlainRunner(ctx), device, ctx, progress=progress)
-    member = new_member(config, reporter, device)
+    member = new_member(config, reporter, device, stop_rules=stop_rules)
     engine.admit(member)
     engine.run()
     assert member.summary is not None

@@ -79,6 +79,11 @@ class TrialOut(BaseModel):
     rank_collapse: bool | None
     trapped: bool | None
     error: str | None
+    stop_reason: str | None = Field(
+        None,
+        description="Why a PRUNED trial stopped: a constraint it could no longer meet (e.g."
+        " 'min_norm_entropy_ever 0.0048 < 0.1 at step 50') or the pruner's verdict.",
+    )
     waiting_reason: str | None = Field(None, description="Why a QUEUED trial is not starting.")
     started_at: UtcDatetime | None = Field(
         description="When the trial's Ray task really started; null while QUEUED."

@@ -75,6 +75,7 @@ _AFTER_VALUES = [
     ("finished_at", "timestamp"),
     ("duration_s", "float64"),
     ("error", "string"),
+    ("stop_reason", "string"),  # why a PRUNED trial stopped
     ("status", "string"),  # the trial summary's status: completed, pruned, diverged
 ]
 # Every summary metric of the registry, typed as it says, then the collapse class.
@@ -83,6 +84,7 @@ _SUMMARY = [(m.name, _ARROW_TYPE[m.type]) for m in SUMMARIES] + [("collapse_clas
 _TRIAL_ATTRS = {"value", "feasible", "seed", "attempts", "node", "last_step", "metric_rows"}
 _TRIAL_ATTRS |= {"penalty_version"}
 _TRIAL_ATTRS |= {"started_at", "finished_at", "duration_s", "error", "state", "number"}
+_TRIAL_ATTRS |= {"stop_reason"}
 _SUMMARY_COLUMNS_ON_TRIAL = set(SUMMARY_COLUMNS)
 METRIC_COLUMNS = [
     ("number", "int64"),

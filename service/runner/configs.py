@@ -19,8 +19,10 @@ from service.config import Settings
 from service.spec import StudySpec, apply_params
 from workers.config import TrialConfig
 from workers.fusion_plan import FusionError, auto_fuse, check_fusable, fusion_key
+from workers.metric_names import SUMMARY_BY_NAME
+from workers.stopping import StopRule, can_recover
 
-__all__ = ["slot_key", "suggest", "trial_config"]
+__all__ = ["slot_key", "stop_rules", "suggest", "trial_config"]
 
 
 def suggest(spec: StudySpec, trial: optuna.Trial) -> dict[str, Any]:
@@ -87,3 +89,19 @@ def slot_key(spec: StudySpec, config: TrialConfig, number: int) -> tuple[str, in
     if spec.fuse == "auto":
         return fusion_key(config), auto_fuse(config, spec.resources.gpus)
     return fusion_key(config), spec.slots
+
+
+def stop_rules(spec: StudySpec) -> tuple[StopRule, ...]:
+    """The study's constraints as rules a worker checks at every evaluation (none with
+    `pruner.stop_infeasible: false`): a violation that can never be undone stops the trial
+    at that evaluation; any other after `pruner.infeasible_patience` in a row."""
+    if not spec.pruner.stop_infeasible:
+        return ()
+    rules = []
+    for c in spec.constraints:
+        if not SUMMARY_BY_NAME[c.metric].intermediate:
+            continue
+        bound = c.value if c.value is not None else (c.fraction_of_steps or 0.0) * spec.base.steps
+        patience = spec.pruner.infeasible_patience if can_recover(c.metric, c.op) else 1
+        rules.append(StopRule(c.metric, c.op, float(bound), patience))
+    return tuple(rules)

@@ -65,6 +65,7 @@ class StudyRunner:
         self.owner = f"study-{study_id}@{row.created_at.isoformat()}"
         self.storage = optuna_storage(settings.resolved_database_url())
         self.search = Search(self.spec, study_id, self.storage)
+        self.stop_rules = configs.stop_rules(self.spec)
         self.waiting = WaitingReason(self.spec, self.store.studies, study_id)
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -175,7 +176,9 @@ class StudyRunner:
         key, slots = (
             ("", 1) if config is None else configs.slot_key(self.spec, config, trial.number)
         )
-        return TrialRecord(trial, row_id, params, config, key=key, slots=slots)
+        return TrialRecord(
+            trial, row_id, params, config, key=key, slots=slots, stop_rules=self.stop_rules
+        )
 
     def _resume(self) -> list[TrialRecord]:
         """Trials Optuna still has RUNNING after a dead runner: relaunched, told as our
@@ -221,6 +224,7 @@ class StudyRunner:
                 self.spec,
                 end.summary,
                 lambda: self.store.trials.best_final_val_loss(self.study_id),
+                rec.prune_reason,
             )
             row = result_row(judged, end, time.monotonic() - rec.launched)
             if self.store.trials.record_result(rec.row_id, row):

@@ -27,6 +27,7 @@ import optuna
 
 from workers.config import TrialConfig
 from workers.messages import Stopped
+from workers.stopping import StopRule
 
 if TYPE_CHECKING:
     from service.runner.pruning import IntermediateTracker
@@ -52,6 +53,7 @@ class TrialRecord:
     config: TrialConfig | None  # None: its parameters give no valid config (it fails)
     key: str = ""  # which slot workers may train it (service/runner/configs.py: slot_key)
     slots: int = 1  # the slots a new worker of its key gets
+    stop_rules: tuple[StopRule, ...] = ()  # the constraints its worker checks
     status: Status = Status.ASKED
     worker: str | None = None  # the slot worker that holds it (PLACED, RUNNING)
     starts: int = 0  # executions started in this runner; the 2nd and later are retries
@@ -62,6 +64,7 @@ class TrialRecord:
     received: dict[str, int] = field(default_factory=dict)  # reports stored per execution
     reported: set[int] = field(default_factory=set)  # steps told to Optuna
     trackers: dict[str, IntermediateTracker] = field(default_factory=dict)
+    prune_reason: str | None = None  # why the runner's pruner asked it to stop
 
     @property
     def number(self) -> int:

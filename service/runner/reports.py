@@ -85,7 +85,9 @@ class Reports:
             if value is None or not math.isfinite(value):
                 continue
             rec.reported.add(msg.step)
-            if self.search.report(rec.trial, msg.step, value):
+            if self.search.report(rec.trial, msg.step, value) and rec.prune_reason is None:
+                kind = self.spec.pruner.kind
+                rec.prune_reason = f"{kind} pruner: {metric} {value:.4g} at step {msg.step}"
                 self.stop_trial(rec.number)
 
 

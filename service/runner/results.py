@@ -56,10 +56,18 @@ def _constraints(spec: StudySpec, summary: dict[str, Any]) -> list[float]:
     return [c.violation(summary, steps) for c in spec.constraints] or [0.0]
 
 
-def judge(spec: StudySpec, summary: TrialSummary, best_loss: Callable[[], float | None]) -> Judged:
+def judge(
+    spec: StudySpec,
+    summary: TrialSummary,
+    best_loss: Callable[[], float | None],
+    prune_reason: str | None = None,
+) -> Judged:
     """A returned trial's outcome; `best_loss` reads the study's best final validation loss
-    (only when `trapped` needs it)."""
+    (only when `trapped` needs it); `prune_reason`: why the pruner stopped it, for a pruned
+    trial whose worker gave no reason of its own."""
     stored = summary.model_dump(mode="json")
+    if summary.status == "pruned" and not summary.stop_reason:
+        stored["stop_reason"] = prune_reason or f"{spec.pruner.kind} pruner"
     if summary.eval_steps and not summary.trapped:
         final = summary.final_val_loss
         stored["trapped"] = bool(

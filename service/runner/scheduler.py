@@ -98,7 +98,8 @@ class Scheduler:
         for rec in list(self.waiting):
             assert rec.config is not None
             key, slots = rec.key, rec.slots
-            item = Assignment(rec.number, rec.config.model_dump(mode="json", by_alias=True))
+            config = rec.config.model_dump(mode="json", by_alias=True)
+            item = Assignment(rec.number, config, rec.stop_rules)
             worker = next(
                 (w for w in self.workers.values() if not w.closed and w.key == key and w.free > 0),
                 None,

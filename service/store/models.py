@@ -148,6 +148,8 @@ class Trial(Base):
     rank_collapse: Mapped[bool | None] = mapped_column(Boolean, default=None)
     trapped: Mapped[bool | None] = mapped_column(Boolean, default=None)
     waiting_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    # Why a PRUNED trial stopped (a constraint it could no longer meet, or the pruner).
+    stop_reason: Mapped[str | None] = mapped_column(Text, default=None)
     # When the trial's Ray task really started (None while QUEUED); set by the task itself.
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)

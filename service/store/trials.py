@@ -230,6 +230,7 @@ class TrialRows:
             "feasible": r.feasible,
             "last_step": case((Trial.last_step > r.last_step, Trial.last_step), else_=r.last_step),
             "waiting_reason": None,
+            "stop_reason": r.summary.get("stop_reason"),
             "finished_at": utcnow(),
             "duration_s": r.duration_s,
         }

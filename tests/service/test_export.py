@@ -162,7 +162,7 @@ def seeded(client: TestClient, engine: Engine) -> dict[str, Any]:
 
 FIXED_COLUMNS = [
     "study_id", "trial_id", "number", "state", "value", "feasible", "seed", "attempts", "node",
-    "last_step", "penalty_version", "metric_rows", "started_at", "finished_at", "duration_s", "error", "status",
+    "last_step", "penalty_version", "metric_rows", "started_at", "finished_at", "duration_s", "error", "stop_reason", "status",
     "final_val_loss", "best_val_loss", "final_train_loss", "min_norm_entropy",
     "min_norm_entropy_ever", "final_rank_ratio", "qk_eig_var", "qk_eig_mean", "qk_eig_mean_rank",
     "plateau_count", "plateau_steps", "longest_plateau", "entropy_collapse", "rank_collapse", "trapped",
@@ -194,6 +194,7 @@ def expected_trials(sid: int, ids: dict[int, int]) -> list[dict[str, Any]]:
             "finished_at": None if running else T0 + timedelta(minutes=n, seconds=30),
             "duration_s": None if running else 30.0 + n / 4,
             "error": 'boom, "quoted"\nsecond line' if d["state"] == "DIVERGED" else None,
+            "stop_reason": None,
             "status": s.get("status"),
             "collapse_class": d["cls"],
             "params.regularizer.lambda": d["lam"],
@@ -238,7 +239,7 @@ def parse_csv_cell(column: str, text: str) -> Any:
             "layer", "head", "step"}  # fmt: skip
     if column in ints:
         return int(text)
-    strings = {"state", "node", "error", "status", "collapse_class", "params.model.norm", "name"}
+    strings = {"state", "node", "error", "stop_reason", "status", "collapse_class", "params.model.norm", "name"}
     if column in strings:
         return text
     return float(text)

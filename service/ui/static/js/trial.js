@@ -143,6 +143,7 @@ async function render(p, trial, study, data) {
       `duration ${duration(trial.duration_s)} \u00b7 value ${fmt(trial.value)} \u00b7 ${data.rows} metric rows drawn`,
       data.truncated ? h('b', {class: 'error'}, ' (truncated)') : null),
     trial.error ? h('pre', {class: 'error small'}, trial.error) : null,
+    trial.stop_reason ? h('p', {class: 'small stop-reason'}, `stopped: ${trial.stop_reason}`) : null,
     trial.waiting_reason ? h('p', {class: 'muted small'}, trial.waiting_reason) : null);
 
   // Loss with the plateaus; the last one is `trapped` when the trial is.
