@@ -239,7 +239,16 @@ def parse_csv_cell(column: str, text: str) -> Any:
             "layer", "head", "step"}  # fmt: skip
     if column in ints:
         return int(text)
-    strings = {"state", "node", "error", "stop_reason", "status", "collapse_class", "params.model.norm", "name"}
+    strings = {
+        "state",
+        "node",
+        "error",
+        "stop_reason",
+        "status",
+        "collapse_class",
+        "params.model.norm",
+        "name",
+    }
     if column in strings:
         return text
     return float(text)

@@ -62,7 +62,9 @@ def test_every_summary_says_how_it_moves() -> None:
 def test_patience_counts_violations_in_a_row() -> None:
     stopper = Stopper([FINAL])
     seq = [0.05, 0.05, 0.2, 0.05, 0.05, 0.05]
-    got = [stopper.check(10 * (i + 1), SimpleNamespace(min_norm_entropy=v)) for i, v in enumerate(seq)]
+    got = [
+        stopper.check(10 * (i + 1), SimpleNamespace(min_norm_entropy=v)) for i, v in enumerate(seq)
+    ]
     assert got[:5] == [None] * 5  # the run of two was broken by 0.2
     assert got[5] == "min_norm_entropy 0.05 < 0.1 at step 60 (3 evaluations in a row)"
     assert Stopper([EVER]).check(5, SimpleNamespace(min_norm_entropy_ever=None)) is None
@@ -77,7 +79,10 @@ def test_a_collapsed_trial_stops_at_the_first_evaluation_that_rules_it_out() -> 
     assert whole.status == "completed" and whole.min_norm_entropy_ever < 0.1  # the premise
     assert out.status == "pruned" and out.steps_done == first_bad == 5
     assert out.stop_reason is not None
-    assert out.stop_reason.startswith("min_norm_entropy_ever 0.0") and "< 0.1 at step 5" in out.stop_reason
+    assert (
+        out.stop_reason.startswith("min_norm_entropy_ever 0.0")
+        and "< 0.1 at step 5" in out.stop_reason
+    )
     assert stopped.stream() == free.stream()[: len(stopped.stream())]  # the same evaluations
     assert stopped.steps == [5]
 
