@@ -127,13 +127,16 @@ def fused_tps(cfg: TrialConfig, m: int) -> float:
     return sum(s.tokens_per_s for s in out)  # each member: its tokens over the group's time
 
 
+SMOKE = False  # --smoke: one size, a few steps: every code path once, for CI (tests/test_bench.py)
+
+
 def part_a(cuda: bool, steps: int, peak: float, data_dir: Path) -> list[str]:
     lines = [
         "| size | bare tok/s | run_trial tok/s | fused tok/s (M) | run_trial/bare | fused/run_trial"
         " | MFU bare | MFU run_trial | MFU fused |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, cfg, vocab, m in sizes(cuda, steps, data_dir):
+    for name, cfg, vocab, m in sizes(cuda, steps, data_dir)[: 1 if SMOKE else None]:
         warm = cfg.model_copy(update={"steps": max(5, steps // 10)})
         bare_loop(warm)
         run_trial_group(_members(warm, m))
@@ -216,6 +219,7 @@ def part_b(cuda: bool, n_trials: int, steps: int, k: int, group: int, data_dir: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="qkscope on an accelerator: bare vs trial vs fused")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="one size, a few steps (CI: not a figure)")
     p.add_argument("--data-dir", type=Path, default=DATA_DIR)
     p.add_argument("--trials", type=int, default=16)
     p.add_argument("--processes", type=int, default=8)
@@ -227,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     peak = H100_BF16_PEAK if cuda else cpu_peak_flops()
     steps_a = (30 if args.quick else 150) if cuda else (20 if args.quick else 60)
     steps_b = (300 if args.quick else 1500) if cuda else (40 if args.quick else 100)
+    if args.smoke:
+        global SMOKE
+        SMOKE, steps_a, steps_b = True, 10, 5
+        args.trials, args.processes, args.group = 2, 2, 2
     k = args.processes if cuda else min(args.processes, os.cpu_count() or 1)
     print(f"# bench.gpu {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC")
     print(machine_line())

@@ -33,10 +33,10 @@ import torch
 
 from workers.regularizers import model_penalty
 from workers.tasks import build_task
+from workers.engine import lr_lambda  # the trial's own LR schedule: both loops take its steps
 from workers.trial import (
     MetricPoint,
     TrialConfig,
-    _lr_lambda,  # the trial's own LR schedule, so both loops take the same steps
     build_model,
     resolve_device,
     run_trial,
@@ -77,7 +77,7 @@ def bare_loop(config: TrialConfig) -> float:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2)
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     data_gen = torch.Generator().manual_seed(config.seed)
     reg = config.regularizer
     use_penalty = reg.kind != "none" and reg.lam != 0.0

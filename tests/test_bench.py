@@ -1,0 +1,49 @@
+"""Benchmarks that cannot rot: every `bench/*.py` imports, and the cheap ones run at smoke
+size (their figures are not checked: speed is a benchmark, not a test)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_benchmark_imports(name: str) -> None:
+    module = importlib.import_module(f"bench.{name}")
+    if name not in ("_common", "__main__"):
+        assert callable(getattr(module, "main", None)), f"bench.{name} has no main()"
+
+
+def _run(*args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+def test_the_gpu_benchmark_runs_on_a_cpu_at_smoke_size() -> None:
+    out = _run("bench.gpu", "--smoke")
+    assert "(a) bare loop vs run_trial vs fused" in out and "(b) a study of small trials" in out
+    assert "fused groups of 2" in out
+
+
+def test_the_training_throughput_benchmark_runs_at_smoke_size() -> None:
+    out = _run(
+        "bench.train_throughput", "--quick", "--steps", "10", "--repeats", "1", "--threads", "1"
+    )
+    assert "run_trial tok/s" in out
