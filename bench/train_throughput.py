@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
+from workers.engine import lr_lambda  # the trial's own LR schedule: both loops take its steps
 from workers.regularizers import model_penalty
 from workers.tasks import build_task
-from workers.engine import lr_lambda  # the trial's own LR schedule: both loops take its steps
 from workers.trial import (
     MetricPoint,
     TrialConfig,
