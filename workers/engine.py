@@ -159,6 +159,7 @@ class Member:
     tag: Any = None  # the caller's handle (e.g. the trial number)
     stopper: Stopper | None = None  # the study's constraints, checked at every evaluation
     stop_reason: str | None = None
+    error: OSError | None = None  # its own storage failed: it leaves without a result
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -343,9 +344,14 @@ class Engine:
         ctx: AbstractContextManager[Any],
         on_finish: Callable[[Member], None] | None = None,
         progress: Callable[[int], None] | None = None,
+        on_error: Callable[[Member, OSError], None] | None = None,
     ) -> None:
         self.runner, self.device, self.ctx = runner, device, ctx
         self.on_finish = on_finish or (lambda mem: None)
+        # A member's own storage failing (its checkpoint, journal or stop record: a full
+        # disk, a lost mount): with `on_error` the member leaves alone and the others train
+        # on; without, the error propagates (run_trial).
+        self.on_error = on_error
         self.progress = progress  # called after each iteration with the engine's iteration
         self.running: list[Member] = []
         self.iterations = 0
@@ -417,6 +423,10 @@ class Engine:
 
     def _finish(self, mem: Member) -> None:
         """Summarise, record the stop durably, then tell the owner (the slot is free now)."""
+        if mem.error is not None:
+            assert self.on_error is not None
+            self.on_error(mem, mem.error)
+            return
         elapsed = time.perf_counter() - mem.admitted
         mem.summary = summarize(
             mem.config,
@@ -428,14 +438,18 @@ class Engine:
             elapsed,
             self.device,
         ).model_copy(update={"steps_done": mem.step, "stop_reason": mem.stop_reason})
-        write_stopped(
-            mem.config.checkpoint.dir,
-            {
-                "status": mem.status,
-                "step": mem.step,
-                "summary": mem.summary.model_dump(mode="json"),
-            },
-        )
+        record = {
+            "status": mem.status,
+            "step": mem.step,
+            "summary": mem.summary.model_dump(mode="json"),
+        }
+        try:
+            write_stopped(mem.config.checkpoint.dir, record)
+        except OSError as e:
+            if self.on_error is None:
+                raise
+            self.on_error(mem, e)
+            return
         self.on_finish(mem)
 
     def _stop(self, stopped: list[Member]) -> None:
@@ -525,12 +539,19 @@ class Engine:
         )
         mem.hist.last_points = points
         mem.n_evals += 1
-        stop = mem.reporter.report(mem.step, points)
-        if not math.isfinite(val):
-            mem.status, mem.diverged_at = "diverged", mem.step
+        try:
+            stop = mem.reporter.report(mem.step, points)  # journaled beside the checkpoint
+            if not math.isfinite(val):
+                mem.status, mem.diverged_at = "diverged", mem.step
+                return True
+            every = mem.config.checkpoint.every_evals
+            if mem.checkpoint_path is not None and mem.n_evals % every == 0:
+                _save_checkpoint(mem)
+        except OSError as e:
+            if self.on_error is None:
+                raise
+            mem.error = e  # it leaves; the others go on
             return True
-        if mem.checkpoint_path is not None and mem.n_evals % mem.config.checkpoint.every_evals == 0:
-            _save_checkpoint(mem)
         if mem.stopper is not None and (reason := self._infeasible(mem)) is not None:
             mem.status, mem.stop_reason = "pruned", reason
             return True

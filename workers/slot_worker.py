@@ -9,9 +9,11 @@ returns, the inbox has received every message it sent, so the runner that reads 
 to the worker's end has seen all of them (workers/inbox.py, `TrialInbox.fence`).
 
 What one member's trouble does: a config that cannot be built, a checkpoint that cannot be
-read, or (alone in the worker) an error in a step fails that member with its reason, and
-the worker goes on. An out-of-memory with several members hands them all back (each resumes
-from its own checkpoint, in a worker with one slot fewer); alone, it fails the member.
+read or written (a corrupt file, a full disk), its journal or stop record failing, or (alone
+in the worker) an error in a step fails that member with its reason, and the worker goes on.
+An out-of-memory (device or host) with several members hands them all back (each resumes
+from its own checkpoint, in a worker with one slot fewer); alone, it fails the member. A
+worker the host's memory monitor kills is shrunk by the runner the same way.
 """
 
 from __future__ import annotations
@@ -121,6 +123,11 @@ class SlotWorker:
             )
         )
 
+    def _storage_failed(self, mem: Any, error: OSError) -> None:
+        """The engine's callback: a member's own checkpoint, journal or stop record could not
+        be written; it fails with the reason, its co-members train on."""
+        self._end(Failed(self.worker, int(mem.tag), f"checkpoint storage: {_reason(error)}"))
+
     def _hand_back(self, trial: int) -> None:
         """Give a trial back to the runner untrained here, with this worker's slot count."""
         self._end(HandedBack(self.worker, trial, self.capacity))
@@ -139,7 +146,9 @@ class SlotWorker:
         runner: PlainRunner | FusedRunner = (
             PlainRunner(ctx) if self.capacity == 1 else FusedRunner(self.capacity, self.device, ctx)
         )
-        self.engine = Engine(runner, self.device, ctx, on_finish=self._finished)
+        self.engine = Engine(
+            runner, self.device, ctx, on_finish=self._finished, on_error=self._storage_failed
+        )
 
     def admit(self, items: list[Assignment]) -> None:
         for item in items:
@@ -276,10 +285,17 @@ class SlotWorker:
         return WorkerDone(self.worker, self.node, self.admitted, steps)
 
 
+# What a failed host allocation says (torch's CPU allocator raises a plain RuntimeError).
+_HOST_OOM = ("DefaultCPUAllocator: can't allocate memory", "not enough memory")
+
+
 def _is_oom(e: BaseException) -> bool:
+    """Out of memory on the device or the host: the worker shrinks instead of failing all."""
     import torch
 
-    return isinstance(e, torch.OutOfMemoryError)
+    if isinstance(e, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _HOST_OOM)
 
 
 def run_slot_worker_task(

@@ -181,9 +181,14 @@ class Scheduler:
         before it starts anything, e.g. on a node without the GPU it was given, must not
         relaunch its trials for ever): returned with the reason, to fail."""
         worker = self.workers.pop(name)
+        if error is not None and "OutOfMemoryError" in error and len(worker.members) > 1:
+            # killed by the host's memory monitor with several members: its key gets fewer
+            # slots, as a worker that ran out of memory itself would have handed them back
+            fits = self.slots_for.get(worker.key, worker.capacity)
+            self.slots_for[worker.key] = min(fits, len(worker.members) - 1)
         give_up: list[tuple[TrialRecord, str]] = []
         reason = error or "its worker ended without finishing it"
-        for number in sorted(worker.members):
+        for number in sorted(worker.members, reverse=True):  # the lowest number first in line
             rec = self.records[number]
             rec.losses += 1  # every loss counts: no trial is relaunched for ever
             if rec.losses > self.spec.max_retries:

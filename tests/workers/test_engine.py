@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -233,3 +234,49 @@ def test_engine_needs_a_free_slot() -> None:
     engine.admit(new_member(tiny(), None, device))
     with pytest.raises(RuntimeError, match="no free slot"):
         engine.admit(new_member(tiny(seed=1), None, device))
+
+
+class _BreakStorageAt(Recorder):
+    """A reporter that makes its member's checkpoint unwritable at one step (a directory
+    where `checkpoint.tmp` goes: every write there fails with an OSError, as a full disk or
+    a lost mount would), after it recorded the report."""
+
+    def __init__(self, directory: Path, step: int) -> None:
+        super().__init__()
+        self.directory, self.break_at = directory, step
+
+    def report(self, step: int, metrics: list[Any]) -> bool:
+        stop = super().report(step, metrics)
+        if step == self.break_at:
+            (self.directory / "checkpoint.tmp").mkdir(parents=True)
+        return stop
+
+
+def test_a_members_failing_storage_fails_it_alone_and_the_others_train_on(tmp_path: Path) -> None:
+    """Issue 27: one member's checkpoint that cannot be written took its healthy co-members
+    down with it (the error ended the whole worker)."""
+    cfgs = [tiny(seed=s, checkpoint={"dir": str(tmp_path / f"m{s}")}) for s in range(2)]
+    failed: list[tuple[int, str]] = []
+    finished: list[Member] = []
+    device = resolve_device(cfgs[0])
+    ctx = autocast_for(cfgs[0], device)
+    engine = Engine(
+        FusedRunner(2, device, ctx),
+        device,
+        ctx,
+        on_finish=finished.append,
+        on_error=lambda mem, e: failed.append((mem.tag, type(e).__name__)),
+    )
+    broken = _BreakStorageAt(tmp_path / "m0", step=10)
+    healthy = Recorder()
+    engine.admit(new_member(cfgs[0], broken, device, tag=0))
+    engine.admit(new_member(cfgs[1], healthy, device, tag=1))
+    engine.run()
+    assert failed == [(0, "IsADirectoryError")]
+    assert [m.tag for m in finished] == [1] and finished[0].summary is not None
+    assert finished[0].summary.status == "completed" and healthy.steps == [5, 10, 15, 20]
+    assert broken.steps == [5, 10]  # it left at the evaluation whose checkpoint failed
+    assert not (tmp_path / "m0" / STOPPED_FILE).exists()  # a failure, not a stop
+    alone = tiny(checkpoint={"dir": str(tmp_path / "alone")})
+    with pytest.raises(IsADirectoryError):  # without on_error (run_trial) it propagates
+        run_trial(alone, _BreakStorageAt(tmp_path / "alone", 5))

@@ -102,7 +102,7 @@ def test_a_late_hand_back_from_a_worker_that_no_longer_holds_the_trial_changes_n
     sched.add(b)
     sched.schedule()
     w0 = "study-3/worker-0"
-    assert sched.worker_ended(w0, "OutOfMemoryError") == []  # both wait again
+    assert sched.worker_ended(w0, "NodeDiedError") == []  # both wait again
     sched.schedule()
     w1 = "study-3/worker-1"
     assert a.worker == b.worker == w1
@@ -167,3 +167,18 @@ def test_idle_workers_are_closed_when_nothing_will_come(more: bool) -> None:
     sched.ended(_stopped(rec.worker or "", rec.number))
     sched.close_idle(more_to_ask=more)
     assert (pool.calls[-1][0] == "close") is (not more)
+
+
+def test_a_worker_the_memory_monitor_killed_is_replaced_by_a_smaller_one() -> None:
+    """Issue 27: Ray's memory monitor (host out of memory) killed a worker of three members;
+    before, they were relaunched in a worker of the same size, to be killed again."""
+    sched, pool, study = _scheduler(fuse=4, parallelism=1, max_retries=3)
+    recs = [_record(study) for _ in range(3)]
+    for r in recs:
+        sched.add(r)
+    sched.schedule()
+    error = "OutOfMemoryError: Task was killed due to the node running low on memory."
+    assert sched.worker_ended("study-3/worker-0", error) == []
+    sched.schedule()
+    assert ("start", "study-3/worker-1x2", [0]) in pool.calls
+    assert [r.status for r in recs] == [Status.PLACED, Status.PLACED, Status.ASKED]
