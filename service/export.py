@@ -2,8 +2,9 @@
 
 Two tables:
 
-- trials: one row per trial; the trial's columns, its summary numbers and flags, its
-  collapse class, and one `params.<path>` column per parameter;
+- trials: one row per trial; the study's id and name, the trial's columns, the provenance of
+  its summary (`config_hash`, `code_commit`), its summary numbers and flags, its collapse
+  class, and one `params.<path>` column per parameter;
 - metrics: the long table of every stored metric value: `number` (the trial number),
   `trial_id`, `name`, `layer`, `head` (empty where the metric has none), `step`, `value`.
 
@@ -46,6 +47,7 @@ BATCH_ROWS = 20_000
 # (column, arrow type name) of the fixed part of the trials table, in order.
 _BASE = [
     ("study_id", "int64"),
+    ("study_name", "string"),
     ("trial_id", "int64"),
     ("number", "int64"),
     ("state", "string"),
@@ -58,6 +60,9 @@ _AFTER_VALUES = [
     ("node", "string"),
     ("last_step", "int64"),
     ("penalty_version", "int64"),
+    # provenance, from the trial's summary (workers/provenance.py): its config and code
+    ("config_hash", "string"),
+    ("code_commit", "string"),
     ("metric_rows", "int64"),
     ("started_at", "timestamp"),
     ("finished_at", "timestamp"),
@@ -122,13 +127,15 @@ def trial_columns(session: Session, study: Study) -> list[tuple[str, str]]:
     return _BASE + values + _AFTER_VALUES + _SUMMARY + _param_columns(session, study)
 
 
-def _trial_row(t: Trial, columns: list[tuple[str, str]]) -> list[Any]:
+def _trial_row(t: Trial, columns: list[tuple[str, str]], study_name: str) -> list[Any]:
     summary = t.summary or {}
     row: list[Any] = []
     for name, kind in columns:
         v: Any
         if name == "study_id":
             v = t.study_id
+        elif name == "study_name":
+            v = study_name
         elif name == "trial_id":
             v = t.id
         elif name.startswith("values."):
@@ -159,7 +166,9 @@ def _trial_row(t: Trial, columns: list[tuple[str, str]]) -> list[Any]:
 _Batches = Callable[[Session], Iterator[list[list[Any]]]]
 
 
-def _trial_batches(study_id: int, columns: list[tuple[str, str]], batch: int) -> _Batches:
+def _trial_batches(
+    study_id: int, columns: list[tuple[str, str]], batch: int, study_name: str
+) -> _Batches:
     def batches(session: Session) -> Iterator[list[list[Any]]]:
         q = (
             select(Trial)
@@ -169,7 +178,7 @@ def _trial_batches(study_id: int, columns: list[tuple[str, str]], batch: int) ->
         )
         rows: list[list[Any]] = []
         for t in session.scalars(q):
-            rows.append(_trial_row(t, columns))
+            rows.append(_trial_row(t, columns, study_name))
             if len(rows) >= batch:
                 yield rows
                 rows = []
@@ -353,7 +362,8 @@ def export_plan(
     tables = []
     if what in ("trials", "both"):
         cols = trial_columns(session, study)
-        tables.append(_Table("trials", cols, _trial_batches(study.id, cols, batch)))
+        batches = _trial_batches(study.id, cols, batch, study.name)
+        tables.append(_Table("trials", cols, batches))
     if what in ("metrics", "both"):
         tables.append(_Table("metrics", METRIC_COLUMNS, _metric_batches(study.id, batch)))
     return tables
