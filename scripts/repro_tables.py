@@ -132,7 +132,7 @@ def rank_collapse_seeds() -> None:
         ("attention + skip", True, False),
         ("full transformer", True, True),
     ]
-    print("\n1 (three seeds): last-layer rank ratio, mean [95 %] on the logit scale\n")
+    print("\n1 (three seeds): last-layer rank ratio, geometric mean [95 %] on the log scale\n")
     print("| variant | step | " + " | ".join(f"L={d}" for d in depths) + " |")
     print("|---|---|" + "---|" * len(depths))
     for name, skip, mlp in variants:
@@ -181,8 +181,8 @@ def localization_seeds() -> None:
             other = g[(lam, 2.0 - t, init)]
             assert all(a[f] == b[f] for a, b in zip(s, other, strict=True) for f in same)
     print(
-        "\n2 (three seeds, v2): eig. var geometric mean [95 %, log scale]; entropy and rank"
-        " ratio [95 %, logit scale]; loss [95 % t]\n"
+        "\n2 (three seeds, v2): eig. var and rank ratio geometric mean [95 %, log scale];"
+        " entropy [95 %, logit scale]; loss [95 % t]\n"
     )
     print(
         "| lambda | target mean | QK init | eig. var | eig. mean | attn. entropy | val. loss"
