@@ -192,8 +192,9 @@ def trainability() -> int:
         "evaluation), Fisher's exact test against no penalty (two-sided)\n"
     )
     print(
-        "| arm | collapsed | Fisher p | ever below 0.1 | Fisher p | lowest entropy seen: "
-        "median (range) | mean rank-mean (target) |\n|---|---|---|---|---|---|---|"
+        "| arm | collapsed [95 % CP] | Fisher p | ever below 0.1 | Fisher p | lowest entropy "
+        "seen: median (range) | rank-mean (target): mean, seeds passing |\n"
+        "|---|---|---|---|---|---|---|"
     )
     for label, arm, t in arms:
         k, e = collapsed(arm), ever_below(arm)
@@ -201,15 +202,29 @@ def trainability() -> int:
         med = (ever[len(ever) // 2 - 1] + ever[len(ever) // 2]) / 2
         p1 = "-" if arm is none else f"{fisher_two_sided(k, len(arm), k0, n0):.3g}"
         p2 = "-" if arm is none else f"{fisher_two_sided(e, len(arm), e0, n0):.3g}"
-        mr = statistics_mean(values(arm, "qk_eig_mean_rank").values())
-        target = "" if t is None else f" ({t:g})"
+        ranks = values(arm, "qk_eig_mean_rank")
+        mr = statistics_mean(ranks.values())
+        target = ""
+        if t is not None:
+            tol = 0.1 * t if t > 0 else 0.01
+            passing = sum(abs(v - t) <= tol for v in ranks.values())
+            target = f" ({t:g}), {passing} of {len(ranks)}"
+        lo, hi = clopper_pearson(k, len(arm))
         print(
-            f"| {label} | {k} of {len(arm)} | {p1} | {e} of {len(arm)} | {p2} "
-            f"| {med:.2g} ({ever[0]:.2g}-{ever[-1]:.2g}) | {mr:+.3f}{target} |"
+            f"| {label} | {k} of {len(arm)} [{lo:.2f}, {hi:.2f}] | {p1} | {e} of {len(arm)} "
+            f"| {p2} | {med:.2g} ({ever[0]:.2g}-{ever[-1]:.2g}) | {mr:+.3f}{target} |"
         )
     tests = 2 * (len(arms) - 1)
     print(
-        f"\n({tests} Fisher tests in this table; Bonferroni at 0.05 / {tests} = {0.05 / tests:.4f})"
+        f"\n({tests} Fisher tests in this table; Bonferroni at 0.05 / {tests} = "
+        f"{0.05 / tests:.4f}; {len(arms)} Clopper-Pearson intervals)"
+    )
+    t0 = next(a for _, a, t in arms if t == 0.0)
+    t2 = next(a for _, a, t in arms if t == 0.2)
+    p_exp = fisher_two_sided(collapsed(t2), len(t2), collapsed(t0), len(t0))
+    print(
+        f"exploratory, not fixed beforehand: t = 0.2 against t = 0, collapsed "
+        f"{collapsed(t2)} vs {collapsed(t0)} of 10, Fisher p = {p_exp:.3g}"
     )
     print(
         "\n5.3 longest plateau (steps) and final validation loss, mean [95 % t]; each arm "
@@ -240,6 +255,14 @@ def trainability() -> int:
             f"{fisher_power(p_ref, p_arm):.2f}"
         )
     return n
+
+
+def clopper_pearson(k: int, n: int, conf: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval of a binomial rate from k of n."""
+    a = (1.0 - conf) / 2
+    lo = 0.0 if k == 0 else float(stats.beta.ppf(a, k, n - k + 1))
+    hi = 1.0 if k == n else float(stats.beta.ppf(1 - a, k + 1, n - k))
+    return lo, hi
 
 
 def statistics_mean(xs: Any) -> float:
