@@ -146,3 +146,23 @@ def test_fuse_auto_resolves_per_study_and_never_refuses() -> None:
     assert StudySpec.model_validate({**dropout, "fuse": "auto"}).slots == 1
     assert any("fuse" in m for m in errors_of({**dropout, "fuse": 4}))
     assert StudySpec.model_validate({**BASE, "fuse": 3}).slots == 3
+
+
+def test_zero_step_float64_bidirectional_probes_are_valid_specs() -> None:
+    """What docs/metrics.md section 8 needs: a study of untrained float64 models without the
+    causal mask, searched over the mask; steps 0 without eval_at_init names the field."""
+    spec = StudySpec.model_validate(
+        {
+            "name": "probe",
+            "budget": {"n_trials": 2},
+            "base": {"steps": 0, "eval_at_init": True, "dtype": "float64"},
+            "search_space": {"model.causal": {"type": "categorical", "choices": [True, False]}},
+            "sampler": {"kind": "grid"},
+        }
+    )
+    assert spec.base.steps == 0 and spec.base.dtype == "float64"
+    assert apply_params(spec.base, {"model.causal": False}).model.causal is False
+    with pytest.raises(ValidationError) as e:
+        StudySpec.model_validate({"name": "bad", "budget": {"n_trials": 1}, "base": {"steps": 0}})
+    assert e.value.errors()[0]["loc"][0] == "base"
+    assert "eval_at_init" in str(e.value)
