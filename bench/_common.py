@@ -180,6 +180,13 @@ class RayHead:
         self.token = secrets.token_hex(32)
         self.dashboard_port = free_port()
         self.proc: Any = None
+        # A Ray temp dir of its own: under the shared default (/tmp/ray) another head's `ray
+        # start` rewrites ray_current_cluster, and this head's job supervisor then points its
+        # jobs' drivers at that other cluster (a runner hung on a foreign GCS). Short, because
+        # Ray puts unix sockets under it.
+        import tempfile
+
+        self.temp_dir = tempfile.mkdtemp(prefix="rq", dir="/tmp")
 
     @property
     def address(self) -> str:
@@ -207,6 +214,7 @@ class RayHead:
             f"--ray-client-server-port={free_port()}",
             f"--metrics-export-port={free_port()}",
             f"--num-cpus={self.num_cpus}", "--include-dashboard=true",
+            f"--temp-dir={self.temp_dir}",
         ]  # fmt: skip
         cwd = self.home / "ray-cwd"
         cwd.mkdir(exist_ok=True)
@@ -272,3 +280,6 @@ class RayHead:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         self._log.close()
+        import shutil
+
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

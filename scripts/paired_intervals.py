@@ -7,8 +7,8 @@ per (lambda, target mean), mean [95 % interval] over the three seeds:
 - qk_eig_var: Student-t on the raw values, and on the log scale (geometric mean) where the raw
   interval runs below 0;
 - qk_eig_mean, final_val_loss: Student-t on the raw values;
-- min_norm_entropy, min_norm_entropy_ever, final_rank_ratio: t interval on the logit scale,
-  mapped back (scripts/bounded_intervals.py);
+- min_norm_entropy, min_norm_entropy_ever: t interval on the logit scale; final_rank_ratio: on
+  the log scale (fixed per quantity, scripts/intervals.py), mapped back;
 
 then paired-by-seed differences (seeds share data order and initialisation), Student-t on
 the per-seed differences: target 2 minus target 0 at the same lambda, and each penalised cell
@@ -26,10 +26,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from scipy import stats
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bounded_intervals import RESULTS, bounded_interval  # noqa: E402
+from intervals import SCALE_OF, paired_diffs, t_quantile  # noqa: E402
 
 FIELDS = (
     "qk_eig_var",
@@ -47,7 +46,7 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
     n = len(values)
     mean = sum(values) / n
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    half = t_quantile(n - 1) * sd / math.sqrt(n)
     return mean, mean - half, mean + half
 
 
@@ -93,7 +92,7 @@ def main() -> None:
             vals = [by_seed[s][f] for s in SEEDS]
             seeds = ", ".join(fmt(v) for v in vals)
             if f in BOUNDED:
-                scale, c, lo, hi = bounded_interval(vals)
+                scale, c, lo, hi = bounded_interval(vals, SCALE_OF[f])
                 print(f"  {f:22s} {fmt(c)} [{fmt(lo)}, {fmt(hi)}] ({scale}; {seeds})")
                 continue
             m, lo, hi = t_interval(vals)
@@ -116,13 +115,12 @@ def main() -> None:
             m, lo, hi = t_interval(d)
             seeds = ", ".join(f"{v:+.4f}" for v in d)
             line = f"  d {f:22s} {m:+.4f} [{lo:+.4f}, {hi:+.4f}] ({seeds})"
-            if f in BOUNDED:  # the same difference on the logit scale
-                lg = [
-                    math.log(a[s][f] / (1 - a[s][f])) - math.log(b[s][f] / (1 - b[s][f]))
-                    for s in SEEDS
-                ]
-                lm, llo, lhi = t_interval(lg)
-                line += f"  logit: {lm:+.3f} [{llo:+.3f}, {lhi:+.3f}]"
+            if f in BOUNDED:  # the same difference on the quantity's own scale
+                scale = SCALE_OF[f]
+                fa = {s: a[s][f] for s in SEEDS}
+                fb = {s: b[s][f] for s in SEEDS}
+                lm, llo, lhi = t_interval(paired_diffs(fa, fb, scale))
+                line += f"  {scale}: {lm:+.3f} [{llo:+.3f}, {lhi:+.3f}]"
             print(line)
 
     print("\npaired by seed, mean [95 % interval] (per-seed differences)")

@@ -7,13 +7,13 @@ API (docs/results/*.jsonl).
                                               # any grid: per setting, mean [95 % t] (seeds)
 
 Sections 4.1-4.3: cells are the mean over seeds with a 95 % Student-t interval on the raw
-values; the bounded (logit / log scale) intervals quoted in the verdicts come from
-scripts/bounded_intervals.py. Sections 1 and 2 (rank_collapse.jsonl, localization.jsonl):
-ratios in (0, 1) (rank ratio, normalised entropy) get the t interval on the logit scale,
-eigen-variance (positive, spanning orders of magnitude) the geometric mean with a t interval
-on the log scale, both mapped back (`bounded_interval`), so no interval leaves the range its
-quantity lives in; losses keep raw t intervals; comparisons are paired by seed (seeds share
-data order and initialisation).
+values; the bounded intervals quoted in the verdicts come from scripts/bounded_intervals.py.
+Sections 1 and 2 (rank_collapse.jsonl, localization.jsonl): each quantity on its own fixed
+scale (scripts/intervals.py): normalised entropy on the logit scale, rank ratio and
+eigen-variance (positive, spanning orders of magnitude; the rank ratio is not bounded by 1)
+on the log scale (geometric mean), mapped back; losses raw. t quantiles of the sample's own
+df; comparisons are paired by seed, matched by the seed itself (seeds share data order and
+initialisation).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bounded_intervals import bounded_interval  # noqa: E402
+from intervals import SCALE_OF, paired_diffs, t_interval  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -40,12 +40,13 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and a 95 % Student-t interval (half-width 0 for one value)."""
+    """Mean and a 95 % Student-t interval, the t quantile of its own df (half-width 0 for one
+    value)."""
     m = statistics.fmean(values)
     if len(values) < 2:
         return m, m, m
-    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-    return m, m - half, m + half
+    iv = t_interval(values)
+    return iv.centre, iv.lo, iv.hi
 
 
 def mean_ci(values: list[float]) -> str:
@@ -58,12 +59,36 @@ def seeds(values: list[float]) -> str:
 
 
 def by(records: list[dict[str, Any]], *paths: str) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
-    """Summaries grouped by the given params, each group in seed order."""
+    """Summaries grouped by the given params, each group in seed order (for per-cell
+    statistics; comparisons pair by seed through `by_seed`)."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         assert r["state"] == "COMPLETE", r
         groups[tuple(r["params"][p] for p in paths)].append(r["summary"])
     return groups
+
+
+def by_seed(
+    records: list[dict[str, Any]], *paths: str
+) -> dict[tuple[Any, ...], dict[int, dict[str, Any]]]:
+    """Summaries grouped by the given params, then keyed by seed: what paired comparisons
+    match on (never list position)."""
+    groups: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = defaultdict(dict)
+    for r in records:
+        assert r["state"] == "COMPLETE", r
+        groups[tuple(r["params"][p] for p in paths)][int(r["params"].get("seed", 0))] = r["summary"]
+    return groups
+
+
+def paired(
+    a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], field: str, scale: str = "raw"
+) -> list[float]:
+    """Per-seed differences a - b of one summary field, matched by seed."""
+    return paired_diffs(
+        {s: x[field] for s, x in a.items()},
+        {s: x[field] for s, x in b.items()},
+        scale,  # type: ignore[arg-type]
+    )
 
 
 # ---- sections 1 and 2: the three-seed reruns ----------------------------------------------
@@ -77,10 +102,13 @@ def sig(v: float, digits: int = 2) -> str:
     return f"{v:#.{digits}g}".rstrip(".")
 
 
-def bounded_ci(values: list[float], digits: int = 2, decimals: int | None = None) -> str:
-    """Centre [95 %] on the logit scale for values in (0, 1), else on the log scale; with
-    `decimals`, fixed-point (entropies near 1), else `digits` significant figures."""
-    _, c, lo, hi = bounded_interval(values)
+def bounded_ci(
+    values: list[float], quantity: str, digits: int = 2, decimals: int | None = None
+) -> str:
+    """Centre [95 %] on the quantity's own fixed scale (logit for normalised entropy, log for
+    rank ratio and eigen-variance: scripts/intervals.py); with `decimals`, fixed-point
+    (entropies near 1), else `digits` significant figures."""
+    _, c, lo, hi = bounded_interval(values, SCALE_OF[quantity])
 
     def f(v: float) -> str:
         return sig(v, digits) if decimals is None else f"{v:.{decimals}f}"
@@ -104,12 +132,12 @@ def rank_collapse_seeds() -> None:
         ("attention + skip", True, False),
         ("full transformer", True, True),
     ]
-    print("\n1 (three seeds): last-layer rank ratio, mean [95 %] on the logit scale\n")
+    print("\n1 (three seeds): last-layer rank ratio, geometric mean [95 %] on the log scale\n")
     print("| variant | step | " + " | ".join(f"L={d}" for d in depths) + " |")
     print("|---|---|" + "---|" * len(depths))
     for name, skip, mlp in variants:
         for step, field in ((0, "init_rank_ratio"), (200, "final_rank_ratio")):
-            cells = [bounded_ci([x[field] for x in g[(skip, mlp, d)]]) for d in depths]
+            cells = [bounded_ci([x[field] for x in g[(skip, mlp, d)]], field) for d in depths]
             print(f"| {name} | {step} | " + " | ".join(cells) + " |")
     print("\nvalidation loss after 200 steps, mean [95 % t]")
     for name, skip, mlp in variants:
@@ -153,8 +181,8 @@ def localization_seeds() -> None:
             other = g[(lam, 2.0 - t, init)]
             assert all(a[f] == b[f] for a, b in zip(s, other, strict=True) for f in same)
     print(
-        "\n2 (three seeds, v2): eig. var geometric mean [95 %, log scale]; entropy and rank"
-        " ratio [95 %, logit scale]; loss [95 % t]\n"
+        "\n2 (three seeds, v2): eig. var and rank ratio geometric mean [95 %, log scale];"
+        " entropy [95 %, logit scale]; loss [95 % t]\n"
     )
     print(
         "| lambda | target mean | QK init | eig. var | eig. mean | attn. entropy | val. loss"
@@ -167,20 +195,25 @@ def localization_seeds() -> None:
         m, lo, hi = interval(loss)
         print(
             f"| {lam:g} | {'(any)' if lam == 0.0 else f'{t:g}'} | {init:g} "
-            f"| {bounded_ci([x['qk_eig_var'] for x in s], 3)} "
+            f"| {bounded_ci([x['qk_eig_var'] for x in s], 'qk_eig_var', 3)} "
             f"| {statistics.fmean(x['qk_eig_mean'] for x in s):.3f} "
-            f"| {bounded_ci([x['min_norm_entropy'] for x in s], decimals=3)} "
+            f"| {bounded_ci([x['min_norm_entropy'] for x in s], 'min_norm_entropy', decimals=3)} "
             f"| {m:.4f} [{lo:.4f}, {hi:.4f}] | {math.exp(m):.1f} "
-            f"| {bounded_ci([x['final_rank_ratio'] for x in s], decimals=3)} |"
+            f"| {bounded_ci([x['final_rank_ratio'] for x in s], 'final_rank_ratio', decimals=3)} |"
         )
     print("\npaired by seed vs lambda 0 (same target mean and QK init), mean [95 % t]:")
-    for (lam, t, init), s in sorted(g.items()):
+    gs = by_seed(
+        load(RESULTS / "localization.jsonl"),
+        "regularizer.lambda",
+        "regularizer.target_mean",
+        "model.qk_init_std",
+    )
+    for (lam, t, init), cell in sorted(gs.items()):
         if lam == 0.0:
             continue
-        base = g[(0.0, t, init)]
-        pairs = list(zip(s, base, strict=True))
-        ent = [logit(a["min_norm_entropy"]) - logit(b["min_norm_entropy"]) for a, b in pairs]
-        dl = [a["final_val_loss"] - b["final_val_loss"] for a, b in pairs]
+        base = gs[(0.0, t, init)]
+        ent = paired(cell, base, "min_norm_entropy", "logit")
+        dl = paired(cell, base, "final_val_loss")
         em, elo, ehi = interval(ent)
         lm, llo, lhi = interval(dl)
         print(
@@ -204,19 +237,9 @@ def rank_collapse() -> None:
         print(f"\n4.1 {title}\n\n{head}\n{rule}")
         for b in blocks:
             print(f"| {b} | " + " | ".join(cell(g[(b, d)]) for d in depths) + " |")
-    # "doubly exponential": the per-seed fall of log init_rank_ratio per layer (pure attention)
-    # from 1 to 8 and from 8 to 12 layers; doubly exponential decay would triple it per layer
-    log_r = {d: [math.log(x["init_rank_ratio"]) for x in g[("pure", d)]] for d in (1, 8, 12)}
-    lo_fall = [(a - b) / 7 for a, b in zip(log_r[1], log_r[8], strict=True)]
-    hi_fall = [(a - b) / 4 for a, b in zip(log_r[8], log_r[12], strict=True)]
-    print("\n4.1 pure attention, fall of log init_rank_ratio per layer, mean [95 % t] (seeds)")
-    for label, xs in (
-        ("1-8 layers", lo_fall),
-        ("8-12 layers", hi_fall),
-        ("8-12 minus 1-8, paired", [b - a for a, b in zip(lo_fall, hi_fall, strict=True)]),
-    ):
-        m, lo, hi = interval(xs)
-        print(f"  {label}: {m:.2f} [{lo:.2f}, {hi:.2f}] ({seeds(xs)})")
+    # The "doubly exponential" statistic that stood here compared the last-layer ratios of
+    # separately initialised models of different depth; the rate is read inside one model,
+    # layer by layer (docs/metrics.md section 8): scripts/dong_rate.py, section 5.1.
 
 
 def entropy_collapse() -> None:
@@ -256,10 +279,10 @@ def localization() -> None:
             f"| {math.exp(statistics.fmean(loss)):.2f} "
             f"| {mean_ci([x['final_rank_ratio'] for x in s])} |"
         )
-    zero = {i: x["final_val_loss"] for i, x in enumerate(g[(0.0,)])}
-    for (lam,), s in sorted(g.items()):
+    gs = by_seed(load(RESULTS / "localization_v2.jsonl"), "regularizer.lambda")
+    for (lam,), cell in sorted(gs.items()):
         if lam:
-            diffs = [x["final_val_loss"] - zero[i] for i, x in enumerate(s)]
+            diffs = paired(cell, gs[(0.0,)], "final_val_loss")
             m, lo, hi = interval(diffs)
             print(
                 f"paired loss, lambda {lam:g} - 0: {seeds(diffs)}; {m:+.4f} [{lo:+.4f}, {hi:+.4f}]"

@@ -100,6 +100,31 @@ def test_gpu_scale_definitions_for_both_papers() -> None:
     assert block.type == "categorical"
     assert set(block.choices) == {"pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"}
     assert dong.base.dtype == "float32"  # collapsed ratios (~1e-7) are below bf16's resolution
+    # Bao with the mean where it can act: Pre-LN, one full-width head, non-zero targets, fused
+    assert bao.base.model.norm == "pre" and bao.base.model.n_heads == 1
+    target = bao.search_space["regularizer.target_mean"]
+    assert target.type == "float" and target.grid is not None and max(target.grid) > 0
+    assert bao.fuse == "auto" and bao.slots > 1
+
+
+def test_dong_rate_definitions_probe_where_the_theorem_applies() -> None:
+    """docs/metrics.md section 8: 24 layers in one model, float64, with and without the mask,
+    QK init 0.02 / 0.2 / 1, 10 seeds, at init and after training; the floor study is zero-step."""
+    rate = _spec("repro_dong_rate.yaml")
+    assert rate.base.model.n_layers == 24 and rate.base.dtype == "float64"
+    assert rate.base.model.block == "pure" and rate.base.eval_at_init and rate.base.steps > 0
+    causal = rate.search_space["model.causal"]
+    assert causal.type == "categorical" and set(causal.choices) == {True, False}
+    qk = rate.search_space["model.qk_init_std"]
+    assert qk.type == "float" and qk.grid == [0.02, 0.2, 1.0]
+    seed = rate.search_space["seed"]
+    assert seed.type == "int" and seed.grid is not None and len(set(seed.grid)) == 10
+    mlp = _spec("repro_dong_rate_mlp.yaml")
+    assert mlp.base.model.block == "attn_mlp"
+    norm = mlp.search_space["model.norm"]
+    assert norm.type == "categorical" and "none" in norm.choices
+    floor = _spec("repro_dong_floor.yaml")
+    assert floor.base.steps == 0 and floor.base.eval_at_init
 
 
 def _variety(spec: StudySpec, every_choice: bool) -> list[dict[str, Any]]:

@@ -150,6 +150,16 @@ class ModelConfig(BaseModel):
     )
     attn_temperature: float = Field(1.0, gt=0.0, le=100.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    causal: bool = Field(
+        True,
+        description=(
+            "Causal mask on attention (a decoder). false: bidirectional attention, every "
+            "query sees every key, as in Dong et al.'s theorem and the authors' BERT; only "
+            "sound for a task whose targets are not among its inputs at later positions "
+            "(associative recall: the one target is at the last position). Probes then "
+            "normalise by n_i = S keys (docs/metrics.md sections 1, 7)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _apply_block_preset(self) -> ModelConfig:
@@ -229,14 +239,21 @@ class TrialConfig(BaseModel):
     regularizer: RegularizerConfig = Field(default_factory=RegularizerConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     batch_size: int = Field(32, ge=1, le=4096)
-    steps: int = Field(300, ge=1, le=10_000_000)
+    steps: int = Field(
+        300,
+        ge=0,
+        le=10_000_000,
+        description="Training steps; 0 (with eval_at_init) measures the untrained model only.",
+    )
     eval_every: int = Field(50, ge=1)
     eval_at_init: bool = False  # also evaluate and report the untrained model, as step 0
     eval_batches: int = Field(4, ge=1, le=1000)
     probe_batch_size: int = Field(8, ge=1, le=256)
     seed: int = Field(0, ge=0, lt=2**31)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # float64: weights, activations and probes in double precision (the rank ratio's floor
+    # is then ~1e-16 of the layer output, not float32's ~1e-7; docs/metrics.md section 8).
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     entropy_collapse_threshold: float = Field(0.1, ge=0.0, le=1.0)
     rank_collapse_threshold: float = Field(0.05, ge=0.0, le=1.0)
@@ -252,6 +269,15 @@ class TrialConfig(BaseModel):
         if self.optim.warmup_steps > self.steps:
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds steps ({self.steps})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _zero_steps_measure_init(self) -> TrialConfig:
+        if self.steps == 0 and not self.eval_at_init:
+            raise ValueError(
+                "steps is 0: set eval_at_init: true (a zero-step trial measures only the "
+                "untrained model, as step 0)"
             )
         return self
 
@@ -301,6 +327,14 @@ class TrialSummary(BaseModel):
     init_min_norm_entropy: float | None = None
     init_rank_ratio: float | None = None
     init_qk_eig_var: float | None = None
+    # Attention concentration (docs/metrics.md section 7), mean over layers and heads, final
+    # evaluation; target mass only for tasks that know the answer's position.
+    top1_mass: float | None = None
+    target_mass: float | None = None
+    # Provenance: a hash of the trial's config (checkpoint location left out) and the code
+    # commit that trained it ("+dirty" when tracked files differed from it).
+    config_hash: str | None = None
+    code_commit: str | None = None
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0
     device: str = "cpu"

@@ -126,9 +126,12 @@ def make_optimizer(config: TrialConfig, model: GPT) -> torch.optim.Optimizer:
 
 
 def build_model(config: TrialConfig, task: Task) -> GPT:
-    """The trial's model, initialised from the trial seed."""
+    """The trial's model, initialised from the trial seed (in float64 for `dtype: float64`:
+    drawn in float32 as always, then widened, so float32 and float64 trials of one seed
+    start from the same weights)."""
     torch.manual_seed(config.seed)
-    return GPT(config.model, vocab_size=task.vocab_size, seq_len=task.seq_len)
+    model = GPT(config.model, vocab_size=task.vocab_size, seq_len=task.seq_len)
+    return model.to(torch.float64) if config.dtype == "float64" else model
 
 
 # ---- a member: one trial's state, whatever runner trains it -----------------------------------
@@ -148,6 +151,7 @@ class Member:
     data_gen: torch.Generator
     probe_x: Tensor
     val_batches: list[tuple[Tensor, Tensor]]
+    probe_targets: Tensor | None = None  # the answer's key position per probe query
     hist: History = field(default_factory=History.empty)
     start: int = 0  # the step this execution resumed from
     step: int = 0  # updates done
@@ -188,6 +192,7 @@ def new_member(
     probe_x, _ = task.train_batch(
         config.probe_batch_size, torch.Generator().manual_seed(config.seed + 7919)
     )
+    targets = task.attention_targets(probe_x)
     return Member(
         config=config,
         reporter=reporter or NullReporter(),
@@ -197,6 +202,7 @@ def new_member(
         data_gen=torch.Generator().manual_seed(config.seed),
         probe_x=probe_x.to(device),
         val_batches=task.valid_batches(config.batch_size)[: config.eval_batches],
+        probe_targets=None if targets is None else targets.to(device),
         tag=tag,
         stopper=Stopper(list(stop_rules)) if stop_rules else None,
     )
@@ -398,7 +404,13 @@ class Engine:
         """The untrained model, reported as step 0 (evaluation draws no randomness, so the
         training that follows is unchanged); True when the member stopped there."""
         points = init_points(
-            mem.model, mem.val_batches, self.ctx, self.device, mem.config.regularizer, mem.probe_x
+            mem.model,
+            mem.val_batches,
+            self.ctx,
+            self.device,
+            mem.config.regularizer,
+            mem.probe_x,
+            mem.probe_targets,
         )
         points.insert(1, MetricPoint("lr", mem.config.optim.lr * mem.lr_factor()))
         mem.hist.init_points = points
@@ -530,7 +542,7 @@ class Engine:
         ]
         if pen is not None:
             points.append(MetricPoint("reg_penalty", pen))
-        points += probe_metrics(mem.model, mem.probe_x)
+        points += probe_metrics(mem.model, mem.probe_x, mem.probe_targets)
         mem.hist.steps.append(mem.step)
         mem.hist.val_losses.append(val)
         mem.hist.train_losses.append(train_loss)

@@ -18,6 +18,7 @@ from torch import Tensor
 from workers import metrics as M
 from workers.config import MetricPoint, RegularizerConfig, TrialConfig, TrialStatus, TrialSummary
 from workers.model import GPT
+from workers.provenance import code_commit, config_hash
 from workers.regularizers import model_penalty
 from workers.tasks import Task
 
@@ -33,28 +34,44 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _wide(x: Tensor) -> Tensor:
+    """float32 or wider: float64 probes stay float64 (their floor is what they are for)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 @torch.no_grad()
-def probe_metrics(model: GPT, probe_x: Tensor) -> list[MetricPoint]:
-    """Every docs/metrics.md quantity per layer (1..L; 0 = embeddings for rank) and head."""
+def probe_metrics(
+    model: GPT, probe_x: Tensor, probe_targets: Tensor | None = None
+) -> list[MetricPoint]:
+    """Every docs/metrics.md quantity per layer (1..L; 0 = embeddings for rank) and head.
+
+    `probe_targets` (B, T), the answer's key position per query (-1: none; see
+    `Task.attention_targets`), adds the target mass; without it, it is not stored.
+    """
     was_training = model.training
     model.eval()
     out = model.probe(probe_x)
+    causal = model.cfg.causal
     points: list[MetricPoint] = []
     for layer, attn in enumerate(out.attn, start=1):
-        ent = M.attention_entropy(attn).tolist()
-        norm_ent = M.normalized_attention_entropy(attn, causal=True).tolist()
-        for h, (e, ne) in enumerate(zip(ent, norm_ent, strict=True)):
-            points.append(MetricPoint("attn_entropy", e, layer, h))
-            points.append(MetricPoint("attn_entropy_norm", ne, layer, h))
+        per_head = {
+            "attn_entropy": M.attention_entropy(attn).tolist(),
+            "attn_entropy_norm": M.normalized_attention_entropy(attn, causal=causal).tolist(),
+            "attn_top1_mass": M.attention_top1_mass(attn, causal=causal).tolist(),
+        }
+        if probe_targets is not None:
+            per_head["attn_target_mass"] = M.attention_target_mass(attn, probe_targets).tolist()
+        for name, values in per_head.items():
+            points.extend(MetricPoint(name, v, layer, h) for h, v in enumerate(values))
     for layer, hidden in enumerate(out.hidden):
-        ratio = M.rank_collapse_ratio(hidden.float()).mean().item()
+        ratio = M.rank_collapse_ratio(_wide(hidden)).mean().item()
         points.append(MetricPoint("rank_ratio", ratio, layer))
     for layer, (w_q, w_k) in enumerate(model.qk_weights(), start=1):
-        mean, var = M.qk_eigen_stats_factored(w_q.float(), w_k.float())
+        mean, var = M.qk_eigen_stats_factored(_wide(w_q), _wide(w_k))
         for h, (m, v) in enumerate(zip(mean.tolist(), var.tolist(), strict=True)):
             points.append(MetricPoint("qk_eig_mean", m, layer, h))
             points.append(MetricPoint("qk_eig_var", v, layer, h))
-        for h, r in enumerate(M.qk_eig_mean_rank(w_q.float(), w_k.float()).tolist()):
+        for h, r in enumerate(M.qk_eig_mean_rank(_wide(w_q), _wide(w_k)).tolist()):
             points.append(MetricPoint("qk_eig_mean_rank", r, layer, h))
     model.train(was_training)
     return points
@@ -83,13 +100,14 @@ def init_points(
     dev: torch.device,
     reg: RegularizerConfig,
     probe_x: Tensor,
+    probe_targets: Tensor | None = None,
 ) -> list[MetricPoint]:
     """The step-0 evaluation: validation loss, penalty and probe metrics; no train loss."""
     points = [MetricPoint("val_loss", val_loss(model, val_batches, ctx, dev))]
     if reg.kind != "none" and reg.lam != 0.0:
         with torch.no_grad(), ctx:
             points.append(MetricPoint("reg_penalty", float(penalty(model, reg))))
-    return points + probe_metrics(model, probe_x)
+    return points + probe_metrics(model, probe_x, probe_targets)
 
 
 @dataclass
@@ -123,6 +141,8 @@ class _PointStats:
     qk_eig_var: float | None  # mean over layers and heads
     qk_eig_mean: float | None
     qk_eig_mean_rank: float | None
+    top1_mass: float | None  # mean over layers and heads
+    target_mass: float | None
 
 
 def _point_stats(points: list[MetricPoint]) -> _PointStats:
@@ -144,6 +164,8 @@ def _point_stats(points: list[MetricPoint]) -> _PointStats:
         qk_eig_var=mean_of("qk_eig_var"),
         qk_eig_mean=mean_of("qk_eig_mean"),
         qk_eig_mean_rank=mean_of("qk_eig_mean_rank"),
+        top1_mass=mean_of("attn_top1_mass"),
+        target_mass=mean_of("attn_target_mass"),
     )
 
 
@@ -161,6 +183,7 @@ def summarize(
     s.wall_time_s = elapsed
     s.tokens_per_s = steps_done * config.batch_size * task.seq_len / max(elapsed, 1e-9)
     s.device = str(device)
+    s.config_hash, s.code_commit = config_hash(config), code_commit()
     s.eval_steps = list(hist.steps)
     s.val_losses = [_finite(v) for v in hist.val_losses]
     if hist.init_points is not None:
@@ -180,6 +203,7 @@ def summarize(
     s.final_rank_ratio = last.rank_ratio
     s.qk_eig_var, s.qk_eig_mean = last.qk_eig_var, last.qk_eig_mean
     s.qk_eig_mean_rank = last.qk_eig_mean_rank
+    s.top1_mass, s.target_mass = last.top1_mass, last.target_mass
     s.entropy_collapse = (
         s.min_norm_entropy is not None and s.min_norm_entropy < config.entropy_collapse_threshold
     )

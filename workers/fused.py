@@ -253,9 +253,10 @@ class FusedRunner:
         with self.ctx:
             loss = self.forward(x, y)  # (M,)
         pen = fused.penalties(self.kinds, self.targets) if any(self.use_penalty) else None
-        per_member = loss.float()
+        wide = torch.promote_types(loss.dtype, torch.float32)  # float64 members stay float64
+        per_member = loss.to(wide)
         if pen is not None:
-            pen32 = pen.float()
+            pen32 = pen.to(torch.promote_types(pen.dtype, wide))
             per_member = per_member + self.lams.to(pen32.dtype) * pen32  # lam rounded as torch does
         bad = ~(torch.isfinite(loss) & torch.isfinite(per_member))
         active = healthy & ~bad

@@ -97,7 +97,7 @@ class FusedGPT:
         return self._layer_norm(x, prefix) if self.cfg.norm != "none" else x
 
     def _attention(self, x: Tensor, i: int) -> Tensor:
-        """Causal self-attention of block i; x (M, B, T, D) -> (M, B, T, D)."""
+        """Self-attention of block i (causal unless `cfg.causal` is false); x (M, B, T, D)."""
         cfg, p = self.cfg, f"blocks.{i}.attn"
         m, b, t, d = x.shape
         h, dh = cfg.n_heads, cfg.d_head
@@ -114,7 +114,7 @@ class FusedGPT:
             q.reshape(m * b, h, t, dh),
             k.reshape(m * b, h, t, dh),
             v.reshape(m * b, h, t, dh),
-            is_causal=True,
+            is_causal=cfg.causal,
             scale=1.0,
         )  # (M*B, H, T, d_h)
         y = y.view(m, b, h, t, dh).transpose(2, 3).reshape(m, b, t, d)
@@ -149,8 +149,9 @@ class FusedGPT:
         if pre:
             x = self._layer_norm(x, "ln_f")
         logits = self._linear(x, tok)  # (M, B, T, V), head tied to the token embedding
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays
         nll = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]),
+            wide.reshape(-1, logits.shape[-1]),
             targets.reshape(-1),
             ignore_index=-100,
             reduction="none",

@@ -110,7 +110,11 @@ SERIES: tuple[Series, ...] = (
     Series(
         "qk_eig_mean_rank", "eigen-mean over the head's rank tr(W)/d_h (locater's target)", "head"
     ),
-)
+    Series("attn_top1_mass", "largest attention weight per row, rescaled: 0 uniform, 1 one key",
+           "head"),
+    Series("attn_target_mass", "attention mass on the answer's key position (tasks with one)",
+           "head"),
+)  # fmt: skip
 
 SUMMARIES: tuple[Summary, ...] = (
     Summary("final_val_loss", "validation loss at the last evaluation",
@@ -152,6 +156,11 @@ SUMMARIES: tuple[Summary, ...] = (
             "float", "rank_ratio", "last_layer", "init", False, False, False),
     Summary("init_qk_eig_var", "qk_eig_var of the untrained model (eval_at_init)",
             "float", "qk_eig_var", "mean", "init", False, False, False),
+    Summary("top1_mass", "attention top-1 mass, mean over layers and heads, last evaluation",
+            "float", "attn_top1_mass", "mean", "final", False, True, True),
+    Summary("target_mass", "attention mass on the answer, mean over layers and heads, last "
+            "evaluation (tasks with an answer key)",
+            "float", "attn_target_mass", "mean", "final", False, True, True),
 )  # fmt: skip
 
 SERIES_NAMES: tuple[str, ...] = tuple(s.name for s in SERIES)

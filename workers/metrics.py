@@ -18,6 +18,8 @@ from workers.curves import detect_plateaus, ema, is_trapped, plateau_stats
 
 __all__ = [
     "attention_entropy",
+    "attention_target_mass",
+    "attention_top1_mass",
     "detect_plateaus",
     "ema",
     "is_trapped",
@@ -43,20 +45,60 @@ def attention_entropy(attn: Tensor) -> Tensor:
     return _row_entropy(attn).mean(dim=(0, 2))
 
 
+def _keys_per_row(attn: Tensor, causal: bool) -> Tensor:
+    """n_i, the keys query i may attend to: i + 1 (+ S - T) under a causal mask, else S. [1]"""
+    t, s = attn.shape[-2], attn.shape[-1]
+    if causal:
+        return torch.arange(t, device=attn.device, dtype=attn.dtype) + 1 + (s - t)
+    return torch.full((t,), float(s), device=attn.device, dtype=attn.dtype)
+
+
 def normalized_attention_entropy(attn: Tensor, causal: bool = True) -> Tensor:
     """Per-head mean of row entropy / log(keys the row may attend to): Tensor[H] in [0, 1]. [1]
 
     Under a causal mask query i sees i + 1 keys (offset by S - T when there
-    are more keys than queries); rows that see a single key are left out.
+    are more keys than queries), without one all S; rows that see a single key are left out.
     """
-    t, s = attn.shape[-2], attn.shape[-1]
-    if causal:
-        n = torch.arange(t, device=attn.device, dtype=attn.dtype) + 1 + (s - t)
-    else:
-        n = torch.full((t,), float(s), device=attn.device, dtype=attn.dtype)
+    n = _keys_per_row(attn, causal)
     keep = n > 1
     ratio = _row_entropy(attn)[..., keep] / torch.log(n[keep])  # (B, H, T')
     return ratio.mean(dim=(0, 2))
+
+
+def attention_top1_mass(attn: Tensor, causal: bool = True) -> Tensor:
+    """Per-head mean of the rescaled largest weight of each row: Tensor[H] in [0, 1]. [7]
+
+    Row i's `m_i = max_j a_ij` becomes `(m_i - 1/n_i) / (1 - 1/n_i)` (n_i as in the
+    normalised entropy): 0 is uniform attention, 1 all mass on one key. Rows with n_i = 1 are
+    left out. Descriptive concentration, not Bao et al.'s localization.
+    """
+    n = _keys_per_row(attn, causal)
+    keep = n > 1
+    inv = 1.0 / n[keep]
+    top = attn.amax(dim=-1)[..., keep]  # (B, H, T')
+    return ((top - inv) / (1.0 - inv)).mean(dim=(0, 2))
+
+
+def attention_target_mass(attn: Tensor, targets: Tensor) -> Tensor:
+    """Per head, the mean attention mass queries put on the key position they need: Tensor[H].
+
+    `targets` is (B, T) int: for query i of example b the key position that holds the answer
+    (0 <= targets < S), negative where the query has none. The mean runs over the queries
+    that have one; 1 means attention selects exactly that key, 1/n_i no better than uniform.
+    Raises ValueError when no query has a target (the metric is undefined there). [7]
+    """
+    b, h, t, s = attn.shape
+    if targets.shape != (b, t):
+        raise ValueError(f"targets must be (B, T) = {(b, t)}, got {tuple(targets.shape)}")
+    has = targets >= 0  # (B, T)
+    if not bool(has.any()):
+        raise ValueError("no query has a target: attention_target_mass is undefined")
+    if bool((targets >= s).any()):
+        raise ValueError(f"a target position is >= S = {s}")
+    idx = targets.clamp(min=0).to(attn.device)[:, None, :, None].expand(b, h, t, 1)
+    mass = attn.gather(-1, idx).squeeze(-1)  # (B, H, T)
+    w = has.to(attn.device, attn.dtype)[:, None, :]  # (B, 1, T)
+    return (mass * w).sum(dim=(0, 2)) / w.sum(dim=(0, 2))
 
 
 def _composite_norm(m: Tensor) -> Tensor:

@@ -41,6 +41,7 @@ class ProbeOutput:
 
     logits: Tensor  # (B, T, V)
     attn: list[Tensor]  # per block: (B, H, T, T), rows sum to 1, masked entries exactly 0
+    # (no entry is masked when the model is not causal)
     hidden: list[Tensor]  # L + 1 entries: (B, T, D); 0 is the embedding, l the output of block l
 
 
@@ -67,14 +68,15 @@ class SigmaReparamLinear(nn.Module):
 
         Then W_hat = W at init exactly, and the power iteration starts converged.
         """
-        u, s, vh = torch.linalg.svd(self.weight.float(), full_matrices=False)
+        w = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+        u, s, vh = torch.linalg.svd(w, full_matrices=False)
         self.u.copy_(u[:, 0])
         self.v.copy_(vh[0])
         self.gamma.copy_(s[0])
 
     @torch.no_grad()
     def _power_iteration(self) -> None:
-        w = self.weight.float()
+        w = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
         v = F.normalize(w.t() @ self.u, dim=0)
         self.u.copy_(F.normalize(w @ v, dim=0))
         self.v.copy_(v)
@@ -103,6 +105,8 @@ def _weight(layer: nn.Module) -> Tensor:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention; causal unless `ModelConfig.causal` is false."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.d_head = cfg.n_heads, cfg.d_head
@@ -117,6 +121,7 @@ class CausalSelfAttention(nn.Module):
             self.q_norm, self.k_norm = nn.LayerNorm(cfg.d_head), nn.LayerNorm(cfg.d_head)
         self.scale = 1.0 / (math.sqrt(cfg.d_head) * cfg.attn_temperature)
         self.dropout = cfg.dropout
+        self.causal = cfg.causal
 
     def qk_weights(self) -> tuple[Tensor, Tensor]:
         """Effective query and key weights per head: two (H, d_h, D) tensors."""
@@ -141,17 +146,23 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self._heads(x)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=p, scale=self.scale
+            q, k, v, is_causal=self.causal, dropout_p=p, scale=self.scale
         )  # (B, H, T, d_h)
         return self._merge(y)
 
     def probe(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Attention computed explicitly: output (B, T, D) and probabilities (B, H, T, T)."""
+        """Attention computed explicitly: output (B, T, D) and probabilities (B, H, T, T).
+
+        The softmax runs in float32 or wider (float64 stays float64); without the causal
+        mask every row spans all T keys."""
         q, k, v = self._heads(x)
         t = x.shape[1]
         logits = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, T)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        attn = logits.float().masked_fill(mask, float("-inf")).softmax(dim=-1)  # (B, H, T, T)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.causal:
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            logits = logits.masked_fill(mask, float("-inf"))
+        attn = logits.softmax(dim=-1)  # (B, H, T, T)
         return self._merge(attn.to(v.dtype) @ v), attn
 
 
@@ -259,8 +270,9 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))  # (B, T, V)
         loss = None
         if targets is not None:
+            wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays
             loss = F.cross_entropy(
-                logits.float().view(-1, logits.shape[-1]), targets.view(-1), ignore_index=-100
+                wide.view(-1, logits.shape[-1]), targets.view(-1), ignore_index=-100
             )
         return logits, loss
 

@@ -93,6 +93,12 @@ class Task(Protocol):
         """
         ...
 
+    def attention_targets(self, x: Tensor) -> Tensor | None:
+        """For inputs ``x`` (B, T): per query, the key position that holds the answer it needs
+        (-1 where a query has none), or None when the task has no answer key (language
+        modelling). What `attention_target_mass` (docs/metrics.md section 7) measures."""
+        ...
+
 
 def build_task(config: TaskConfig, seed: int) -> Task:
     """Build the task described by ``config``.
@@ -261,6 +267,10 @@ class LMTask:
         self._offsets = torch.arange(self.seq_len + 1, dtype=torch.int64)
         self._valid_cache: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
+    def attention_targets(self, x: Tensor) -> Tensor | None:
+        """Language modelling has no answer key."""
+        return None
+
     def _windows(self, ids: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
         """Gather ``ids[s : s + T + 1]`` for each start and split it into inputs and targets."""
         w = ids[starts[:, None] + self._offsets[None, :]]
@@ -342,6 +352,10 @@ class _SyntheticTask:
             self._valid_cache[batch_size] = cached
         return list(cached)
 
+    def attention_targets(self, x: Tensor) -> Tensor | None:
+        """No answer key unless a task defines one (associative recall does)."""
+        return None
+
     def _left_pad(self, x: Tensor, y: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
         """Left-pad ``x`` with ``pad_id`` and ``y`` with the ignore index up to ``seq_len``."""
         n, length = x.shape
@@ -385,6 +399,18 @@ class AssociativeRecallTask(_SyntheticTask):
         y = torch.full_like(x, IGNORE_INDEX)
         y[:, -1] = values.gather(1, which)[:, 0] + self.n_symbols
         return self._left_pad(x, y, self.pad_id)
+
+    def attention_targets(self, x: Tensor) -> Tensor:
+        """The answer's position for the query at the last position: the value right after the
+        queried key's earlier occurrence (keys of an example are distinct, and a value, the
+        query marker or a pad never equals a key); -1 for every other query."""
+        n, t = x.shape
+        match = x[:, : t - 2] == x[:, t - 1 :]  # (n, t - 2): the queried key's occurrence
+        if not bool((match.sum(dim=1) == 1).all()):
+            raise ValueError("not associative-recall inputs: the queried key must occur once")
+        out = torch.full((n, t), -1, dtype=torch.int64)
+        out[:, -1] = match.to(torch.int64).argmax(dim=1) + 1
+        return out
 
 
 class _SeqToSeqTask(_SyntheticTask):

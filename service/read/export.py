@@ -2,8 +2,9 @@
 
 Two tables:
 
-- trials: one row per trial; the trial's columns, its summary numbers and flags, its
-  collapse class, and one `params.<path>` column per parameter;
+- trials: one row per trial; the study's id and name, the trial's columns, the provenance of
+  its summary (`config_hash`, `code_commit`), its summary numbers and flags, its collapse
+  class, and one `params.<path>` column per parameter;
 - metrics: the long table of every stored metric value: `number` (the trial number),
   `trial_id`, `name`, `layer`, `head` (empty where the metric has none), `step`, `value`.
 
@@ -58,6 +59,7 @@ BATCH_ROWS = 20_000
 # (column, arrow type name) of the fixed part of the trials table, in order.
 _BASE = [
     ("study_id", "int64"),
+    ("study_name", "string"),
     ("trial_id", "int64"),
     ("number", "int64"),
     ("state", "string"),
@@ -70,6 +72,9 @@ _AFTER_VALUES = [
     ("node", "string"),
     ("last_step", "int64"),
     ("penalty_version", "int64"),
+    # provenance, from the trial's summary (workers/provenance.py): its config and code
+    ("config_hash", "string"),
+    ("code_commit", "string"),
     ("metric_rows", "int64"),
     ("started_at", "timestamp"),
     ("finished_at", "timestamp"),
@@ -139,13 +144,15 @@ def trial_columns(session: Session, study: Study) -> list[tuple[str, str]]:
     return _BASE + values + _AFTER_VALUES + _SUMMARY + _param_columns(session, study)
 
 
-def _trial_row(t: Trial, columns: list[tuple[str, str]]) -> list[Any]:
+def _trial_row(t: Trial, columns: list[tuple[str, str]], study_name: str) -> list[Any]:
     summary = t.summary or {}
     row: list[Any] = []
     for name, kind in columns:
         v: Any
         if name == "study_id":
             v = t.study_id
+        elif name == "study_name":
+            v = study_name
         elif name == "trial_id":
             v = t.id
         elif name.startswith("values."):
@@ -174,7 +181,11 @@ def _trial_row(t: Trial, columns: list[tuple[str, str]]) -> list[Any]:
 
 
 def _trial_batches(
-    sessions: sessionmaker[Session], study_id: int, columns: list[tuple[str, str]], batch: int
+    sessions: sessionmaker[Session],
+    study_id: int,
+    columns: list[tuple[str, str]],
+    batch: int,
+    study_name: str,
 ) -> _Batches:
     def batches() -> Iterator[list[list[Any]]]:
         after = -1
@@ -186,7 +197,7 @@ def _trial_batches(
                     .order_by(Trial.number)
                     .limit(batch)
                 )
-                rows = [(t.number, _trial_row(t, columns)) for t in session.scalars(q)]
+                rows = [(t.number, _trial_row(t, columns, study_name)) for t in session.scalars(q)]
             if not rows:
                 return
             after = rows[-1][0]
@@ -409,8 +420,10 @@ def export_plan(
         if study is None:
             raise LookupError(f"study {study_id} does not exist")
         cols = trial_columns(session, study) if what in ("trials", "both") else []
+        name = study.name
     if what in ("trials", "both"):
-        tables.append(_Table("trials", cols, _trial_batches(sessions, study_id, cols, batch)))
+        batches = _trial_batches(sessions, study_id, cols, batch, name)
+        tables.append(_Table("trials", cols, batches))
     if what in ("metrics", "both"):
         tables.append(_Table("metrics", METRIC_COLUMNS, _metric_batches(sessions, study_id, batch)))
     return tables

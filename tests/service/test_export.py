@@ -76,6 +76,10 @@ def summary_of(d: dict[str, Any]) -> dict[str, Any] | None:
         "rank_collapse": d["rc"],
         "trapped": d["trapped"],
         "init_val_loss": 4.0 + n / 10,  # eval_at_init numbers are exported too
+        "top1_mass": 0.1 * n,
+        "target_mass": None if n == 0 else 0.5 + n / 100,
+        "config_hash": f"{n:016x}",  # provenance, from the summary
+        "code_commit": "0123abcd" + "+dirty" * (n % 2),
         "eval_steps": [0, 50, 100],
         "val_losses": [3.0, 2.5, d["value"]],
     }
@@ -161,13 +165,14 @@ def seeded(client: TestClient, engine: Engine) -> dict[str, Any]:
 # --- what the files must hold ---------------------------------------------------------------
 
 FIXED_COLUMNS = [
-    "study_id", "trial_id", "number", "state", "value", "feasible", "seed", "attempts", "node",
-    "last_step", "penalty_version", "metric_rows", "started_at", "finished_at", "duration_s", "error", "stop_reason", "status",
+    "study_id", "study_name", "trial_id", "number", "state", "value", "feasible", "seed", "attempts",
+    "node", "last_step", "penalty_version", "config_hash", "code_commit", "metric_rows",
+    "started_at", "finished_at", "duration_s", "error", "stop_reason", "status",
     "final_val_loss", "best_val_loss", "final_train_loss", "min_norm_entropy",
     "min_norm_entropy_ever", "final_rank_ratio", "qk_eig_var", "qk_eig_mean", "qk_eig_mean_rank",
     "plateau_count", "plateau_steps", "longest_plateau", "entropy_collapse", "rank_collapse", "trapped",
     "init_val_loss", "init_min_norm_entropy", "init_rank_ratio", "init_qk_eig_var",
-    "collapse_class",
+    "top1_mass", "target_mass", "collapse_class",
 ]  # fmt: skip
 PARAM_COLUMNS = [f"params.{p}" for p in SPACE]
 
@@ -179,6 +184,7 @@ def expected_trials(sid: int, ids: dict[int, int]) -> list[dict[str, Any]]:
         running = d["state"] == "RUNNING"
         row: dict[str, Any] = {
             "study_id": sid,
+            "study_name": "export",
             "trial_id": ids[n],
             "number": n,
             "state": d["state"],
@@ -239,16 +245,8 @@ def parse_csv_cell(column: str, text: str) -> Any:
             "layer", "head", "step"}  # fmt: skip
     if column in ints:
         return int(text)
-    strings = {
-        "state",
-        "node",
-        "error",
-        "stop_reason",
-        "status",
-        "collapse_class",
-        "params.model.norm",
-        "name",
-    }
+    strings = {"state", "node", "error", "stop_reason", "status", "collapse_class",
+               "params.model.norm", "name", "study_name", "config_hash", "code_commit"}  # fmt: skip
     if column in strings:
         return text
     return float(text)

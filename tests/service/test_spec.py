@@ -162,3 +162,23 @@ def test_data_dir_without_a_data_root_must_still_be_relative_and_stay_down() -> 
     for bad in ("/data/wikitext-2", "~/corpus", "../corpus", "a/../../b", ""):
         assert [e.field for e in check_data_dirs(spec(bad), "")] == ["base.task.data_dir"], bad
     assert check_data_dirs(spec("wikitext-2"), "") == []
+
+
+def test_zero_step_float64_bidirectional_probes_are_valid_specs() -> None:
+    """What docs/metrics.md section 8 needs: a study of untrained float64 models without the
+    causal mask, searched over the mask; steps 0 without eval_at_init names the field."""
+    spec = StudySpec.model_validate(
+        {
+            "name": "probe",
+            "budget": {"n_trials": 2},
+            "base": {"steps": 0, "eval_at_init": True, "dtype": "float64"},
+            "search_space": {"model.causal": {"type": "categorical", "choices": [True, False]}},
+            "sampler": {"kind": "grid"},
+        }
+    )
+    assert spec.base.steps == 0 and spec.base.dtype == "float64"
+    assert apply_params(spec.base, {"model.causal": False}).model.causal is False
+    with pytest.raises(ValidationError) as e:
+        StudySpec.model_validate({"name": "bad", "budget": {"n_trials": 1}, "base": {"steps": 0}})
+    assert e.value.errors()[0]["loc"][0] == "base"
+    assert "eval_at_init" in str(e.value)

@@ -34,6 +34,8 @@ NOT_METRICS = {
     "wall_time_s",
     "tokens_per_s",
     "device",
+    "config_hash",
+    "code_commit",
 }
 
 

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from workers.metrics import (
     _composite_norm,
     attention_entropy,
+    attention_target_mass,
+    attention_top1_mass,
     detect_plateaus,
     ema,
     is_trapped,
@@ -771,3 +773,175 @@ def test_probe_metrics_report_qk_eig_mean_rank_per_layer_and_head() -> None:
             rows = slice(h * d_h, (h + 1) * d_h)
             w = q[rows].T @ k[rows] / np.sqrt(d_h)
             assert got[(layer, h)] == pytest.approx(np.trace(w) / d_h, rel=1e-5, abs=1e-7)
+
+
+# --------------------------------------------------------------------------- 7. concentration
+
+
+def _np_top1(a: np.ndarray, causal: bool) -> list[float]:
+    """Per head: mean over batch and rows of (max_j a_ij - 1/n_i) / (1 - 1/n_i), n_i > 1 only,
+    by explicit loops over the contract's text (n_i = i + 1 + S - T causal, S otherwise)."""
+    b, h, t, s = a.shape
+    out = []
+    for hi in range(h):
+        vals = []
+        for bi in range(b):
+            for ti in range(t):
+                n = ti + 1 + (s - t) if causal else s
+                if n <= 1:
+                    continue
+                top = max(float(a[bi, hi, ti, j]) for j in range(s))
+                vals.append((top - 1.0 / n) / (1.0 - 1.0 / n))
+        out.append(sum(vals) / len(vals))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_top1_mass_uniform_is_zero_and_one_hot_is_one(dtype: torch.dtype) -> None:
+    t = 5
+    causal_uniform = torch.tril(torch.ones(t, t, dtype=dtype))
+    causal_uniform = (causal_uniform / causal_uniform.sum(-1, keepdim=True)).expand(2, 3, t, t)
+    torch.testing.assert_close(
+        attention_top1_mass(causal_uniform, causal=True), torch.zeros(3, dtype=dtype)
+    )
+    full_uniform = torch.full((2, 3, t, 7), 1.0 / 7, dtype=dtype)
+    torch.testing.assert_close(
+        attention_top1_mass(full_uniform, causal=False), torch.zeros(3, dtype=dtype)
+    )
+    one_hot = torch.zeros(2, 3, t, t, dtype=dtype)
+    one_hot[..., 0] = 1.0  # every row on key 0: allowed under the causal mask too
+    torch.testing.assert_close(
+        attention_top1_mass(one_hot, causal=True), torch.ones(3, dtype=dtype)
+    )
+    torch.testing.assert_close(
+        attention_top1_mass(one_hot, causal=False), torch.ones(3, dtype=dtype)
+    )
+
+
+def test_top1_mass_hand_values_and_first_causal_row_left_out() -> None:
+    # T = S = 3, causal: row 0 (n = 1) is left out; row 1 max 0.75 of n 2: (0.75 - 0.5) / 0.5
+    # = 0.5; row 2 max 0.5 of n 3: (0.5 - 1/3) / (2/3) = 0.25. Mean 0.375.
+    attn = torch.tensor([[[[1.0, 0, 0], [0.25, 0.75, 0], [0.5, 0.25, 0.25]]]], dtype=torch.float64)
+    assert attention_top1_mass(attn, causal=True).item() == pytest.approx(0.375)
+    # Not causal: every row has n = 3; row 0 (1 - 1/3) / (2/3) = 1, row 1 (0.75 - 1/3) /
+    # (2/3) = 0.625, row 2 0.25. Mean 0.625.
+    assert attention_top1_mass(attn, causal=False).item() == pytest.approx(0.625)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_top1_mass_random_vs_loops(dtype: torch.dtype, causal: bool) -> None:
+    b, h, t, s = 3, 2, 6, 6
+    if causal:
+        attn = _causal_attention(b, h, t, dtype, seed=11)
+    else:
+        logits = torch.randn(b, h, t, s, generator=_gen(12), dtype=torch.float64) * 2
+        attn = logits.softmax(-1).to(dtype)
+    expected = _np_top1(attn.to(torch.float64).numpy(), causal)
+    out = attention_top1_mass(attn, causal=causal)
+    torch.testing.assert_close(out, torch.tensor(expected, dtype=dtype), rtol=1e-5, atol=1e-6)
+    assert ((out >= 0) & (out <= 1)).all()
+
+
+def test_top1_mass_causal_with_more_keys_than_queries_vs_loops() -> None:
+    b, h, t, s = 2, 2, 3, 5
+    logits = torch.randn(b, h, t, s, generator=_gen(13), dtype=torch.float64)
+    mask = torch.ones(t, s, dtype=torch.bool).triu(1 + s - t)
+    attn = logits.masked_fill(mask, float("-inf")).softmax(-1)
+    expected = _np_top1(attn.numpy(), causal=True)
+    torch.testing.assert_close(
+        attention_top1_mass(attn, causal=True), torch.tensor(expected, dtype=torch.float64)
+    )
+
+
+def _np_target_mass(a: np.ndarray, targets: np.ndarray) -> list[float]:
+    """Per head: mean over the (b, i) with a target of a[b, h, i, target], by loops."""
+    b, h, t, _ = a.shape
+    out = []
+    for hi in range(h):
+        vals = [
+            float(a[bi, hi, ti, int(targets[bi, ti])])
+            for bi in range(b)
+            for ti in range(t)
+            if targets[bi, ti] >= 0
+        ]
+        out.append(sum(vals) / len(vals))
+    return out
+
+
+def test_target_mass_hand_values() -> None:
+    attn = torch.tensor(
+        [
+            [[[0.5, 0.5, 0.0], [0.1, 0.2, 0.7], [0.3, 0.3, 0.4]]],
+            [[[0.2, 0.2, 0.6], [0.9, 0.1, 0.0], [0.0, 1.0, 0.0]]],
+        ],
+        dtype=torch.float64,
+    )  # (B=2, H=1, T=3, S=3)
+    targets = torch.tensor([[-1, 2, -1], [-1, -1, 1]])  # two queries with a target
+    # (0.7 + 1.0) / 2
+    assert attention_target_mass(attn, targets).item() == pytest.approx(0.85)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_target_mass_random_vs_loops(dtype: torch.dtype) -> None:
+    b, h, t = 4, 3, 7
+    attn = _causal_attention(b, h, t, dtype, seed=21)
+    g = _gen(22)
+    targets = torch.randint(0, t, (b, t), generator=g)
+    targets[torch.rand(b, t, generator=g) < 0.5] = -1
+    targets[0, -1] = 3  # at least one
+    expected = _np_target_mass(attn.to(torch.float64).numpy(), targets.numpy())
+    out = attention_target_mass(attn, targets)
+    torch.testing.assert_close(out, torch.tensor(expected, dtype=dtype), rtol=1e-5, atol=1e-6)
+
+
+def test_target_mass_uniform_is_one_over_n_and_refuses_what_is_undefined() -> None:
+    attn = torch.full((2, 2, 4, 8), 1.0 / 8, dtype=torch.float64)
+    targets = torch.full((2, 4), -1)
+    targets[:, -1] = torch.tensor([0, 5])
+    torch.testing.assert_close(
+        attention_target_mass(attn, targets), torch.full((2,), 1.0 / 8, dtype=torch.float64)
+    )
+    with pytest.raises(ValueError, match="no query has a target"):
+        attention_target_mass(attn, torch.full((2, 4), -1))
+    with pytest.raises(ValueError, match="targets must be"):
+        attention_target_mass(attn, torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=">= S"):
+        attention_target_mass(attn, torch.full((2, 4), 8))
+
+
+def test_probe_metrics_store_concentration_per_layer_and_head_vs_numpy() -> None:
+    """The stored series: top-1 and target mass of the model's own attention, each checked
+    against numpy loops over attention recomputed here from the weights (bidirectional)."""
+    from workers.model import GPT, ModelConfig
+    from workers.trial import probe_metrics
+
+    torch.manual_seed(3)
+    cfg = ModelConfig(
+        n_layers=1, n_heads=2, d_model=8, d_ff=8, norm="none", causal=False, qk_init_std=0.7
+    )
+    model = GPT(cfg, vocab_size=10, seq_len=6).double()
+    with torch.no_grad():  # unit-scale embeddings: attention far from uniform
+        model.tok_emb.weight.normal_()
+        model.pos_emb.weight.normal_()
+    x = torch.randint(0, 10, (3, 6))
+    targets = torch.full((3, 6), -1)
+    targets[:, -1] = torch.tensor([1, 4, 2])
+    points = probe_metrics(model, x, targets)
+    params = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    emb = params["tok_emb.weight"][x.numpy()] + params["pos_emb.weight"][:6]  # (B, T, D)
+    q = emb @ params["blocks.0.attn.q_proj.weight"].T
+    k = emb @ params["blocks.0.attn.k_proj.weight"].T
+    attn = np.zeros((3, 2, 6, 6))
+    for h in range(2):
+        qs, ks = q[..., 4 * h : 4 * h + 4], k[..., 4 * h : 4 * h + 4]
+        logits = qs @ ks.transpose(0, 2, 1) / 2.0  # sqrt(d_h) = 2
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        attn[:, h] = e / e.sum(-1, keepdims=True)
+    top1 = _np_top1(attn, causal=False)
+    target = _np_target_mass(attn, targets.numpy())
+    got = {(p.name, p.head): p.value for p in points if p.layer == 1}
+    for h in range(2):
+        assert got[("attn_top1_mass", h)] == pytest.approx(top1[h], rel=1e-10)
+        assert got[("attn_target_mass", h)] == pytest.approx(target[h], rel=1e-10)
+    assert top1[0] > 0.05  # the test is not about near-uniform attention

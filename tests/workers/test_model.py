@@ -324,3 +324,103 @@ def test_mlp_init_std_moves_the_mlp_away_from_identity_through_layernorm() -> No
 def test_mlp_init_std_is_bounded(bad: float) -> None:
     with pytest.raises(pydantic.ValidationError, match="mlp_init_std"):
         ModelConfig(mlp_init_std=bad)
+
+
+# ---- bidirectional attention (`causal: false`) ----------------------------------------------
+
+
+def _np_gelu(x: Any) -> Any:
+    import math
+
+    import numpy as np
+
+    erf = np.vectorize(math.erf)
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+def _np_layer_norm(x: Any, w: Any, b: Any) -> Any:
+    import numpy as np
+
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + 1e-5) * w + b
+
+
+def _np_forward(m: GPT, idx: Tensor, causal: bool) -> tuple[Any, list[Any]]:
+    """An independent numpy forward of a Pre-LN GPT with skips and MLPs: (logits, attention
+    maps per layer), written from the architecture's definition, not from the model's code."""
+    import numpy as np
+
+    p = {n: t.detach().double().numpy() for n, t in m.named_parameters()}
+    cfg = m.cfg
+    h, dh = cfg.n_heads, cfg.d_head
+    t = idx.shape[1]
+    x = p["tok_emb.weight"][idx.numpy()] + p["pos_emb.weight"][:t]  # (B, T, D)
+    maps = []
+    for i in range(cfg.n_layers):
+        blk = f"blocks.{i}"
+        a = _np_layer_norm(x, p[f"{blk}.ln1.weight"], p[f"{blk}.ln1.bias"])
+        q = a @ p[f"{blk}.attn.q_proj.weight"].T
+        k = a @ p[f"{blk}.attn.k_proj.weight"].T
+        v = a @ p[f"{blk}.attn.v_proj.weight"].T
+        out = np.zeros_like(x)
+        probs = np.zeros((x.shape[0], h, t, t))
+        for hi in range(h):
+            sl = slice(hi * dh, (hi + 1) * dh)
+            logits = q[..., sl] @ k[..., sl].transpose(0, 2, 1) / np.sqrt(dh)  # (B, T, T)
+            if causal:
+                logits = np.where(np.tril(np.ones((t, t))) > 0, logits, -np.inf)
+            e = np.exp(logits - logits.max(-1, keepdims=True))
+            probs[:, hi] = e / e.sum(-1, keepdims=True)
+            out[..., sl] = probs[:, hi] @ v[..., sl]
+        maps.append(probs)
+        x = x + out @ p[f"{blk}.attn.out_proj.weight"].T
+        a = _np_layer_norm(x, p[f"{blk}.ln2.weight"], p[f"{blk}.ln2.bias"])
+        x = x + _np_gelu(a @ p[f"{blk}.mlp.fc.weight"].T) @ p[f"{blk}.mlp.proj.weight"].T
+    x = _np_layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
+    return x @ p["tok_emb.weight"].T, maps
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_and_probe_match_an_independent_numpy_model(causal: bool) -> None:
+    m = _model(n_layers=2, n_heads=2, norm="pre", causal=causal, qk_init_std=0.5).double().eval()
+    idx = _idx(b=2)
+    want_logits, want_maps = _np_forward(m, idx, causal)
+    logits, _ = m(idx)  # the training path: scaled_dot_product_attention
+    out = m.probe(idx)  # the explicit path
+    torch.testing.assert_close(logits, torch.from_numpy(want_logits), rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(out.logits, torch.from_numpy(want_logits), rtol=1e-9, atol=1e-11)
+    for got, want in zip(out.attn, want_maps, strict=True):
+        torch.testing.assert_close(got, torch.from_numpy(want), rtol=1e-9, atol=1e-12)
+    upper = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
+    mass_above = sum(float(a[..., upper].sum()) for a in out.attn)
+    assert (mass_above == 0.0) if causal else (mass_above > 1.0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_later_token_reaches_earlier_positions_only_without_the_mask(causal: bool) -> None:
+    m = _model(n_layers=2, causal=causal, qk_init_std=0.5).eval()
+    idx = _idx(b=1)
+    changed = idx.clone()
+    changed[0, -1] = (idx[0, -1] + 1) % VOCAB
+    with torch.no_grad():
+        a, _ = m(idx)
+        b, _ = m(changed)
+    earlier = (a[0, :-1] - b[0, :-1]).abs().max().item()
+    assert (earlier == 0.0) if causal else (earlier > 1e-6)
+    assert (a[0, -1] - b[0, -1]).abs().max().item() > 1e-6
+
+
+@pytest.mark.parametrize(
+    ("norm", "skip", "mlp"),
+    list(itertools.product(["pre", "post", "none"], [True, False], [True, False])),
+)
+def test_bidirectional_probe_logits_match_the_training_forward(
+    norm: str, skip: bool, mlp: bool
+) -> None:
+    m = _model(n_layers=3, norm=norm, skip=skip, mlp=mlp, causal=False, qk_init_std=0.3).eval()
+    idx = _idx(b=3)
+    logits, _ = m(idx)
+    out = m.probe(idx)
+    scale = logits.abs().max().clamp_min(1e-12)
+    torch.testing.assert_close(out.logits / scale, logits / scale, atol=1e-5, rtol=0)

@@ -435,3 +435,31 @@ def test_synthetic_reproducibility_and_valid_set(kind: str) -> None:
     global_state = torch.get_rng_state()
     build_task(cfg, seed=9).valid_batches(16)
     assert torch.equal(torch.get_rng_state(), global_state)
+
+
+@pytest.mark.parametrize("seq_len", [10, 24])
+def test_associative_recall_attention_targets_point_at_the_answer(seq_len: int) -> None:
+    """The target position of the query (the last position) holds the answer token: the
+    label y[:, -1] itself, read back from x at that position, and it is the value right after
+    the queried key; every other query has none (-1)."""
+    cfg = TaskConfig(kind="associative_recall", seq_len=seq_len, n_symbols=6, n_pairs=4)
+    task = build_task(cfg, seed=3)
+    x, y = task.train_batch(128, _gen(4))
+    targets = task.attention_targets(x)
+    assert targets is not None and targets.shape == x.shape
+    assert (targets[:, :-1] == -1).all()
+    pos = targets[:, -1]
+    assert ((pos >= 1) & (pos < seq_len - 2)).all()
+    rows = torch.arange(x.shape[0])
+    assert (x[rows, pos] == y[:, -1]).all()  # the token there is the answer
+    assert (x[rows, pos - 1] == x[:, -1]).all()  # right after the queried key
+    assert len(set(pos.tolist())) > 1
+    with pytest.raises(ValueError, match="occur once"):
+        task.attention_targets(torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("kind", ["sort", "copy"])
+def test_tasks_without_an_answer_key_have_no_attention_targets(kind: str) -> None:
+    task = build_task(TaskConfig(kind=kind, seq_len=9), seed=0)
+    x, _ = task.train_batch(4, _gen(0))
+    assert task.attention_targets(x) is None

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 import torch
 import yaml
@@ -31,8 +32,9 @@ from workers.trial import (
 REPO = Path(__file__).resolve().parents[2]
 WIKITEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2"
 
-# Fields of the summary that measure the machine, not the trial.
-TIMING_FIELDS = {"wall_time_s", "tokens_per_s"}
+# Fields of the summary that measure the machine, not the trial, and the config's hash (which
+# differs between two configs that should train alike, e.g. lambda 0 vs no regularizer).
+TIMING_FIELDS = {"wall_time_s", "tokens_per_s", "config_hash"}
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -294,6 +296,8 @@ def test_reporter_receives_every_metric(n_layers: int, n_heads: int) -> None:
                 "qk_eig_mean",
                 "qk_eig_var",
                 "qk_eig_mean_rank",
+                "attn_top1_mass",
+                "attn_target_mass",  # associative recall knows the answer's position
             ):
                 expected.add((name, layer, head))
     for layer in range(n_layers + 1):
@@ -310,6 +314,8 @@ def test_reporter_receives_every_metric(n_layers: int, n_heads: int) -> None:
                 assert 0.0 <= values[("attn_entropy_norm", layer, head)] <= 1.0 + 1e-6
                 assert values[("attn_entropy", layer, head)] >= 0.0
                 assert values[("qk_eig_var", layer, head)] >= -1e-6
+                assert 0.0 <= values[("attn_top1_mass", layer, head)] <= 1.0
+                assert 0.0 <= values[("attn_target_mass", layer, head)] <= 1.0
         assert values[("lr", None, None)] > 0.0
         assert values[("grad_norm", None, None)] > 0.0
 
@@ -485,3 +491,72 @@ def test_eval_at_init_off_by_default() -> None:
     s = run_trial(tiny(steps=5), rec)
     assert rec.steps == [5]
     assert all(getattr(s, f) is None for f in INIT_FIELDS)
+
+
+# ---- zero-step float64 probes, concentration series, provenance -----------------------------
+
+
+def _rank_ratios(rec: Recorder, step: int) -> list[float]:
+    got = rec.at(step)
+    layers = sorted(k[1] for k in got if k[0] == "rank_ratio" and k[1] is not None)
+    return [got[("rank_ratio", layer, None)] for layer in layers]
+
+
+def test_a_zero_step_float64_trial_measures_only_the_untrained_model() -> None:
+    """steps 0 + eval_at_init: one report (step 0), init fields set, no training fields; in
+    float64 the bidirectional pure-attention ratio falls far below float32's floor (~1e-7),
+    and the two precisions agree where float32 still resolves it."""
+    over: dict[str, Any] = {
+        "model": {"n_layers": 8, "block": "pure", "norm": "pre", "causal": False},
+        "steps": 0,
+        "eval_at_init": True,
+    }
+    rec64, rec32 = Recorder(), Recorder()
+    s64 = run_trial(tiny(**over, dtype="float64"), rec64)
+    run_trial(tiny(**over, dtype="float32"), rec32)
+    assert rec64.steps == [0] and rec32.steps == [0]
+    assert s64.status == "completed" and s64.steps_done == 0
+    assert s64.eval_steps == [] and s64.final_val_loss is None and s64.final_rank_ratio is None
+    assert s64.init_val_loss is not None and s64.init_rank_ratio is not None
+    r64, r32 = _rank_ratios(rec64, 0), _rank_ratios(rec32, 0)
+    assert len(r64) == 9  # the embedding and every layer
+    assert min(r64) < 1e-12 < 1e-9 < min(r for r in r32 if r > 0)
+    resolved = [(a, b) for a, b in zip(r64, r32, strict=True) if b > 1e-4]
+    assert len(resolved) >= 2
+    for a, b in resolved:
+        assert a == pytest.approx(b, rel=1e-3)
+
+
+def test_zero_steps_need_eval_at_init() -> None:
+    with pytest.raises(pydantic.ValidationError, match="eval_at_init"):
+        tiny(steps=0)
+    assert tiny(steps=0, eval_at_init=True).steps == 0
+
+
+def test_target_mass_is_stored_where_the_task_knows_the_answer_only() -> None:
+    rec_ar = Recorder()
+    s_ar = run_trial(tiny(steps=5, eval_at_init=True), rec_ar)
+    for step in (0, 5):
+        keys = {k[1:] for k in rec_ar.at(step) if k[0] == "attn_target_mass"}
+        assert keys == {(layer, h) for layer in (1, 2) for h in (0, 1)}
+        assert all(
+            0.0 <= v <= 1.0 for k, v in rec_ar.at(step).items() if k[0] == "attn_target_mass"
+        )
+    assert s_ar.target_mass is not None and s_ar.top1_mass is not None
+    rec_sort = Recorder()
+    s_sort = run_trial(tiny(steps=5, task={"kind": "sort", "seq_len": 9}), rec_sort)
+    assert not any(k[0] == "attn_target_mass" for k in rec_sort.at(5))
+    assert any(k[0] == "attn_top1_mass" for k in rec_sort.at(5))
+    assert s_sort.target_mass is None and s_sort.top1_mass is not None
+
+
+def test_summary_carries_config_hash_and_code_commit(tmp_path: Path) -> None:
+    a = run_trial(tiny(steps=5, checkpoint={"dir": str(tmp_path / "a")}))
+    b = run_trial(tiny(steps=5, checkpoint={"dir": str(tmp_path / "b")}))
+    c = run_trial(tiny(steps=5, seed=1))
+    assert a.config_hash is not None and len(a.config_hash) == 16
+    assert a.config_hash == b.config_hash != c.config_hash  # checkpoint location is no setting
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert a.code_commit is not None and a.code_commit.split("+")[0] == head
