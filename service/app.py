@@ -23,6 +23,7 @@ from service.config import Settings, get_settings
 from service.control.launch import reconcile
 from service.control.ray_cluster import JobLauncher
 from service.read import prom
+from service.read.importance import ImportanceCache
 from service.spec import StudySpec
 from service.store import Store, migrate
 from service.store.session import make_engine, make_reader, make_sessionmaker
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
         app.state.settings = settings
         app.state.sessions = make_reader(engine)  # the read side: refuses any write
         app.state.store = Store(make_sessionmaker(engine))  # the only writer
+        app.state.importance = ImportanceCache()
         app.state.token_digests = [token_digest(t) for t in settings.token_list()]
         app.state.launcher = LauncherSlot(settings.ray_address)
         task = asyncio.create_task(_reconcile_forever(app)) if reconcile_loop else None

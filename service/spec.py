@@ -224,7 +224,7 @@ class StudySpec(_Strict):
         `workers.fusion_plan.auto_fuse` says the base config gains (CPU: 4 below 0.25 GFLOP a
         step; GPU: 8, lowered by the worker's memory estimate; 1 where the fused model
         refuses the config). Each fusion key's workers then get what its own config gains
-        (`service.slots.slot_key`): a 12-layer grid point of a 1-layer base is not fused.
+        (`service.runner.configs.slot_key`): a 12-layer grid point of a 1-layer base is not fused.
         """
         if self.fuse != "auto":
             return self.fuse
@@ -245,6 +245,12 @@ class StudySpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:
+        if self.base.device == "cuda" and self.resources.gpus == 0:
+            raise SpecError(
+                "resources.gpus",
+                "base.device is cuda but the trials ask for no GPU: set resources.gpus (e.g. 1,"
+                " or 0.25 to share one) or device auto",
+            )
         if self.fuse != "auto" and self.fuse > 1:
             # The workers' own check; imported here only.
             from workers.fusion_plan import FusionError, check_fusable
@@ -387,7 +393,7 @@ def _data_dir_escapes(value: str, root: str) -> bool:
 
 def check_data_dirs(spec: StudySpec, root: str) -> list[SpecError]:
     """`base.task.data_dir` and every value the search space gives `task.data_dir` stay
-    inside `root` (QKSCOPE_DATA_DIR), where the runner resolves them (service/dispatch.py)."""
+    inside `root` (QKSCOPE_DATA_DIR), where the runner resolves them (service/runner/configs.py)."""
     errors: list[SpecError] = []
     base = spec.base.task.data_dir
     if base is not None and _data_dir_escapes(base, root):

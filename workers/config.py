@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Self
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = [
     "BLOCK_PRESETS",
@@ -246,7 +246,8 @@ class TrialConfig(BaseModel):
         description="Training steps; 0 (with eval_at_init) measures the untrained model only.",
     )
     eval_every: int = Field(50, ge=1)
-    eval_at_init: bool = False  # also evaluate and report the untrained model, as step 0
+    # also evaluate and report the untrained model, as step 0 (needed with steps 0)
+    eval_at_init: bool = Field(False, validate_default=True)
     eval_batches: int = Field(4, ge=1, le=1000)
     probe_batch_size: int = Field(8, ge=1, le=256)
     seed: int = Field(0, ge=0, lt=2**31)
@@ -272,14 +273,25 @@ class TrialConfig(BaseModel):
             )
         return self
 
-    @model_validator(mode="after")
-    def _zero_steps_measure_init(self) -> TrialConfig:
-        if self.steps == 0 and not self.eval_at_init:
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _steps_not_a_boolean(cls, v: object) -> object:
+        """false is not 0 steps (it would ask for a zero-step trial): refused by name."""
+        if isinstance(v, bool):
+            raise ValueError("expected a number, got a boolean")
+        return v
+
+    @field_validator("eval_at_init")
+    @classmethod
+    def _zero_steps_measure_init(cls, v: bool, info: ValidationInfo) -> bool:
+        """Named on `eval_at_init` (declared after `steps`, so it sees it): the field that
+        makes a zero-step trial valid."""
+        if info.data.get("steps") == 0 and not v:
             raise ValueError(
                 "steps is 0: set eval_at_init: true (a zero-step trial measures only the "
                 "untrained model, as step 0)"
             )
-        return self
+        return v
 
 
 @dataclass(frozen=True)

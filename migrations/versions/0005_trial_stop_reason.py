@@ -1,4 +1,5 @@
-"""Why a pruned trial stopped: a constraint it could no longer meet, or the pruner's verdict
+"""Why a pruned trial stopped (a constraint it could no longer meet, or the pruner's verdict);
+which runner attempt claimed a trial after a dead runner (its attempts count once)
 
 Revision ID: 0005
 Revises: 0004
@@ -19,8 +20,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("qk_trial") as batch:
         batch.add_column(sa.Column("stop_reason", sa.Text(), nullable=True))
+        batch.add_column(sa.Column("claimed_by", sa.Integer(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("qk_trial") as batch:
+        batch.drop_column("claimed_by")
         batch.drop_column("stop_reason")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel
 
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody, FieldError
-from service.read.importance import ImportanceError, TooFewTrials, importance
+from service.read.importance import ImportanceCache, ImportanceError, TooFewTrials
 from service.store.models import Study
 
 __all__ = ["ImportanceOut", "router"]
@@ -44,6 +44,7 @@ class ImportanceOut(BaseModel):
     },
 )
 def get_importance(
+    request: Request,
     session: SessionDep,
     study_id: StudyId,
     target: Annotated[str | None, Query(max_length=64)] = None,
@@ -54,12 +55,14 @@ def get_importance(
     metric, or any summary metric (`final_val_loss`, `min_norm_entropy`, `final_rank_ratio`,
     `qk_eig_var`, ...); default the first objective. Uses the study's COMPLETE trials, so it
     works while the study runs. `direction` (PED-ANOVA only: which end is "good") defaults to
-    the objective's, else minimize."""
+    the objective's, else minimize. A ranking is cached until another trial of the study
+    completes."""
     study = session.get(Study, study_id)
     if study is None:
         raise ApiError(404, "not_found", f"study {study_id} does not exist")
     try:
-        result = importance(session, study, target, evaluator, direction)
+        cache: ImportanceCache = request.app.state.importance
+        result = cache.get(session, study, target, evaluator, direction)
     except TooFewTrials as e:
         raise ApiError(
             409, "too_few_trials", e.message, [FieldError(field=e.field, message=e.message)]

@@ -12,10 +12,12 @@ whose Optuna storage is elsewhere (or gone) still answer.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.store.models import SUMMARY_COLUMNS, Study, Trial, TrialState
@@ -23,6 +25,7 @@ from workers.metric_names import NUMERIC_SUMMARIES
 
 __all__ = [
     "EVALUATORS",
+    "ImportanceCache",
     "MIN_TRIALS",
     "ImportanceError",
     "TooFewTrials",
@@ -195,3 +198,52 @@ def importance(
         n_trials=len(points),
         importances={k: float(v) for k, v in ranked.items()},
     )
+
+
+class ImportanceCache:
+    """The last ranking per (study, target, evaluator, direction), reused until another trial
+    of the study completes: a ranking depends only on the COMPLETE trials, and fANOVA takes
+    seconds on a large study (about 2 s of PED-ANOVA at 8,000 trials, 30 s of fANOVA at
+    1,600), which every load of the web UI's study page used to pay again. The first request
+    after a trial completes recomputes it. Bounded (least recently used entries go)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self.hits = self.misses = 0
+        self._items: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Result]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _mark(session: Session, study_id: int) -> tuple[Any, ...]:
+        """What changes when a trial of the study completes (one indexed aggregate)."""
+        row = session.execute(
+            select(func.count(), func.max(Trial.id)).where(
+                Trial.study_id == study_id, Trial.state == TrialState.COMPLETE
+            )
+        ).one()
+        return tuple(row)
+
+    def get(
+        self,
+        session: Session,
+        study: Study,
+        target: str | None = None,
+        evaluator: str = "fanova",
+        direction: str | None = None,
+    ) -> Result:
+        key = (study.id, target, evaluator, direction)
+        mark = self._mark(session, study.id)
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None and hit[0] == mark:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return hit[1]
+        result = importance(session, study, target, evaluator, direction)
+        with self._lock:
+            self.misses += 1
+            self._items[key] = (mark, result)
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return result

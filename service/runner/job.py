@@ -39,6 +39,7 @@ def run_study(study_id: int, settings: Settings | None = None) -> StudyStatus:
     except Exception as e:
         # A bug in the study (or a database outage past the retries) fails it.
         if runner is not None:
+            runner.stop_workers()  # their trials end here: nothing trains on for nobody
             reason = "".join(traceback.format_exception(e))[-4000:]
             if runner.store.studies.fail_live(study_id, reason):
                 runner.close_open(TrialState.FAILED, "study failed: " + reason[-500:])

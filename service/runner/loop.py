@@ -16,8 +16,10 @@ checkpoints; a trial our table recorded but Optuna never heard of is told as rec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from datetime import UTC
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -61,6 +63,7 @@ class StudyRunner:
             raise LookupError(f"study {study_id} not found")
         self.spec = StudySpec.model_validate(row.spec)
         self.status = StudyStatus(row.status)
+        self.attempt = row.job_attempts  # this runner's job attempt (0: run by hand)
         # whose checkpoints: a new study with the same id (a reset database) is another
         self.owner = f"study-{study_id}@{row.created_at.isoformat()}"
         self.storage = optuna_storage(settings.resolved_database_url())
@@ -80,7 +83,7 @@ class StudyRunner:
         try:
             for rec in self._resume():
                 self.scheduler.add(rec)
-            asked, t0 = self.search.asked(), time.monotonic()
+            asked, t0 = self.search.asked(), self._started_at()
             while True:
                 if self.store.studies.status(self.study_id) == StudyStatus.CANCELLED:
                     self._cancel()
@@ -95,12 +98,21 @@ class StudyRunner:
         self.store.studies.set_status(self.study_id, StudyStatus.COMPLETED)
         return StudyStatus.COMPLETED
 
+    def _started_at(self) -> float:
+        """When the study first started (unix time): `budget.timeout_s` counts from there,
+        not from this runner's start (a relaunched runner must not restart the clock)."""
+        row = self.store.studies.get(self.study_id)
+        started = row.started_at if row is not None else None
+        if started is None:
+            return time.time()
+        return (started if started.tzinfo else started.replace(tzinfo=UTC)).timestamp()
+
     def _schedule(self, asked: int, t0: float) -> int:
         """Place waiting trials; ask one more for each slot that still waits (or a look
         ahead: see `Scheduler.may_ask`); close workers nothing will come to. Returns how
         many trials the study has asked."""
         timeout = self.spec.budget.timeout_s
-        out_of_time = timeout is not None and time.monotonic() - t0 > timeout
+        out_of_time = timeout is not None and time.time() - t0 > timeout
         self.scheduler.schedule()
         while (
             self.scheduler.may_ask()
@@ -187,7 +199,7 @@ class StudyRunner:
         out: list[TrialRecord] = []
         for ft in self.search.running():
             trial = self.search.trial(ft)
-            row = self.store.trials.claim_orphan(self.study_id, ft.number)
+            row = self.store.trials.claim_orphan(self.study_id, ft.number, self.attempt)
             if row is None:
                 if (rec := self._new_record(trial)) is not None:
                     out.append(rec)
@@ -248,6 +260,13 @@ class StudyRunner:
         rows = self.scheduler.clear()
         self.close_open(TrialState.CANCELLED, "study cancelled")
         self.store.trials.recount(rows)
+
+    def stop_workers(self) -> None:
+        """Cancel every slot worker's task (the study failed)."""
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                pool.cancel_all()
 
     def close_open(self, state: TrialState, reason: str) -> None:
         self.store.trials.finish_open(self.study_id, state, reason, self.storage)

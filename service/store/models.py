@@ -150,6 +150,8 @@ class Trial(Base):
     waiting_reason: Mapped[str | None] = mapped_column(Text, default=None)
     # Why a PRUNED trial stopped (a constraint it could no longer meet, or the pruner).
     stop_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    # The runner job attempt that last claimed it after a dead runner (attempts count once).
+    claimed_by: Mapped[int | None] = mapped_column(Integer, default=None)
     # When the trial's Ray task really started (None while QUEUED); set by the task itself.
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import optuna
-from sqlalchemy import case, func, select, update
+from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.store.ingest import insert_metrics
@@ -97,17 +97,21 @@ class TrialRows:
 
         return with_retry(write, "insert trial")
 
-    def claim_orphan(self, study_id: int, number: int) -> Trial | None:
-        """A dead runner's trial, its attempts counted when it was running; None if no row."""
+    def claim_orphan(self, study_id: int, number: int, runner: int) -> Trial | None:
+        """A dead runner's trial, claimed by runner attempt `runner`: its attempts counted
+        once when it was running (a retry after a lost commit counts nothing); None if no
+        row."""
 
         def claim() -> Trial | None:
             with session_scope(self.sessions) as s:
-                row = s.scalars(
-                    select(Trial).where(Trial.study_id == study_id, Trial.number == number)
-                ).one_or_none()
-                if row is not None and row.state == TrialState.RUNNING:
-                    row.attempts += 1
-                return row
+                mine = (Trial.study_id == study_id, Trial.number == number)
+                s.execute(
+                    update(Trial)
+                    .where(*mine, Trial.state == TrialState.RUNNING)
+                    .where(or_(Trial.claimed_by.is_(None), Trial.claimed_by != runner))
+                    .values(attempts=Trial.attempts + 1, claimed_by=runner)
+                )
+                return s.scalars(select(Trial).where(*mine)).one_or_none()
 
         return with_retry(claim, "claim orphan")
 

@@ -13,7 +13,14 @@ from sqlalchemy.orm import Session
 from service.store.models import CURRENT_PENALTY_VERSION, Metric, Study, Trial
 from service.store.session import make_engine, make_sessionmaker, normalize_url
 
-ATTN = ("attn_entropy", "attn_entropy_norm", "qk_eig_mean", "qk_eig_var", "qk_eig_mean_rank")
+ATTN = (
+    "attn_entropy",
+    "attn_entropy_norm",
+    "attn_top1_mass",
+    "qk_eig_mean",
+    "qk_eig_var",
+    "qk_eig_mean_rank",
+)
 
 
 def expected_metric_keys(
@@ -30,12 +37,14 @@ def expected_metric_keys(
     scalars = ["train_loss", "val_loss", "grad_norm", "lr"]
     if reg.get("kind", "none") != "none" and lam != 0:
         scalars.append("reg_penalty")
+    # the attention mass on the answer's key: tasks that know which key a query needs
+    target = ("attn_target_mass",) if base["task"]["kind"] == "associative_recall" else ()
     keys: set[tuple[str, int, int, int]] = set()
     for step in eval_steps:
         keys |= {(n, -1, -1, step) for n in scalars}
         keys |= {
             (n, layer, head, step)
-            for n in ATTN
+            for n in ATTN + target
             for layer in range(1, n_layers + 1)
             for head in range(n_heads)
         }

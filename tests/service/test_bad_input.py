@@ -230,7 +230,7 @@ CASES: list[Case] = [
     ),
     # base trial config
     ("base string", with_("base", "default"), JSON, 422, "base"),
-    ("steps 0", with_("base/steps", 0), JSON, 422, "base.steps"),
+    ("steps 0", with_("base/steps", 0), JSON, 422, "base.eval_at_init"),
     ("steps -1", with_("base/steps", -1), JSON, 422, "base.steps"),
     ("steps 1e8", with_("base/steps", 10**8), JSON, 422, "base.steps"),
     ("steps over limit", with_("base/steps", 2_000_000), JSON, 422, "base.steps"),

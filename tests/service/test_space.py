@@ -105,7 +105,7 @@ ACCEPTED = [
 @pytest.mark.parametrize("space", ACCEPTED)
 def test_what_is_accepted_optuna_samples_without_a_failing_config(space: dict[str, Any]) -> None:
     """The runner's own suggest on a real Optuna study: every trial config applies."""
-    from service.dispatch import suggest
+    from service.runner.configs import suggest
 
     spec = parse(space)
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -26,6 +26,7 @@ from workers.trial import TrialSummary, run_trial
 # TrialSummary fields that are bookkeeping or raw curves, not metrics of METRICS.md.
 NOT_METRICS = {
     "status",
+    "stop_reason",
     "steps_done",
     "plateaus",
     "diverged_at_step",

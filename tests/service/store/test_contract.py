@@ -202,3 +202,20 @@ def test_an_idempotency_key_gives_one_study(store: Store) -> None:
     first, created = store.studies.create(spec, "key-1")
     again, created_again = store.studies.create(spec, "key-1")
     assert created and not created_again and again.id == first.id
+
+
+def test_a_dead_runners_trial_is_claimed_once_per_runner_attempt(store: Store) -> None:
+    """Issue 27: the claim is retried after a dropped connection; a retry whose first try
+    had committed (the acknowledgement lost) counted the attempt twice."""
+    from service.store.trials import StartRow
+
+    sid = _study(store)
+    row_id = store.trials.insert_queued(sid, 0, {}, 0)
+    queued = store.trials.insert_queued(sid, 1, {}, 0)
+    store.trials.record_starts({row_id: StartRow("node-a", 0, 100.0)})
+    assert store.trials.claim_orphan(sid, 0, runner=2).attempts == 2  # type: ignore[union-attr]
+    assert store.trials.claim_orphan(sid, 0, runner=2).attempts == 2  # type: ignore[union-attr]
+    assert store.trials.claim_orphan(sid, 0, runner=3).attempts == 3  # type: ignore[union-attr]
+    assert store.trials.claim_orphan(sid, 1, runner=3).attempts == 1  # type: ignore[union-attr]
+    assert store.trials.claim_orphan(sid, 7, runner=3) is None  # no row: asked, never written
+    assert _trial(store.sessions, queued).state == TrialState.QUEUED

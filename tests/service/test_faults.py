@@ -1,0 +1,342 @@
+"""The faults a review found in the runner, cancel and launch (issue 27), each provoked through
+real processes: real SQLite and PostgreSQL, a real Ray head and job server, Optuna's real
+storage. Each of these failed before the fix it names."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import ray
+from fastapi.testclient import TestClient
+from sqlalchemy import select, text
+
+from service.config import Settings
+from service.control.cancel import cancel_study
+from service.control.launch import launch_study, reconcile
+from service.control.ray_cluster import JobLauncher, LocalRayHead
+from service.runner.configs import slot_key
+from service.runner.pool import RayPool
+from service.runner.records import Status, TrialRecord
+from service.runner.scheduler import Scheduler
+from service.spec import StudySpec
+from service.store import Store, migrate
+from service.store.models import StudyStatus, Trial, TrialState
+from service.store.optuna import optuna_storage, optuna_study_name
+from service.store.session import make_engine, make_sessionmaker
+from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
+from tests.service.test_e2e_ray import wait_for
+from tests.workers.test_trial import TINY
+from workers.messages import Assignment, HandedBack, WorkerDone
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    migrate.upgrade(db_url)
+    engine = make_engine(db_url)
+    yield Store(make_sessionmaker(engine))
+    engine.dispose()
+
+
+def _open_rows(store: Store, sid: int) -> list[tuple[int, str]]:
+    with store.sessions() as s:
+        rows = s.execute(
+            select(Trial.number, Trial.state).where(
+                Trial.study_id == sid, Trial.state.in_(("QUEUED", "RUNNING"))
+            )
+        ).all()
+    return [(n, st) for n, st in rows]
+
+
+def _running_optuna(db_url: str, sid: int) -> list[int]:
+    storage = optuna_storage(db_url)
+    try:
+        study = optuna.load_study(study_name=optuna_study_name(sid), storage=storage)
+        return [t.number for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,))]
+    finally:
+        storage.engine.dispose()
+
+
+# ---- item 4: a runner that fails leaves nothing open -------------------------------------
+
+
+def _refuse_metric_rows(db_url: str) -> None:
+    """Every later metric insert fails (a bug or a broken table, not a dropped connection:
+    nothing retries it), so the runner fails mid-study."""
+    engine = make_engine(db_url)
+    with engine.begin() as c:
+        if db_url.startswith("sqlite"):
+            c.execute(
+                text(
+                    "CREATE TRIGGER qk_refuse BEFORE INSERT ON qk_metric "
+                    "BEGIN SELECT RAISE(ABORT, 'metric rows refused'); END"
+                )
+            )
+        else:
+            c.execute(
+                text(
+                    "CREATE FUNCTION qk_refuse() RETURNS trigger AS $$ BEGIN "
+                    "RAISE EXCEPTION 'metric rows refused'; END $$ LANGUAGE plpgsql"
+                )
+            )
+            c.execute(
+                text(
+                    "CREATE TRIGGER qk_refuse BEFORE INSERT ON qk_metric "
+                    "FOR EACH ROW EXECUTE FUNCTION qk_refuse()"
+                )
+            )
+    engine.dispose()
+
+
+def test_a_failed_runner_ends_its_open_trials(
+    app_client: TestClient, db_url: str, store: Store
+) -> None:
+    """Before: the study went FAILED and its QUEUED/RUNNING rows and RUNNING Optuna trials
+    stayed open for ever (run_study never closed them, the reconciler skips FAILED)."""
+    client = app_client
+    r = client.post("/v1/studies", json=fault_spec(n_trials=4, steps=INTERRUPT_STEPS))
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    deadline = time.monotonic() + 300
+    running = False
+    while not running and time.monotonic() < deadline:
+        items = client.get(f"/v1/studies/{sid}/trials").json()["items"]
+        running = any(t["state"] == "RUNNING" and t["last_step"] >= 20 for t in items)
+        time.sleep(0.3)
+    assert running, client.get(f"/v1/studies/{sid}").json()
+    _refuse_metric_rows(db_url)
+    final = wait_for(client, sid, {"COMPLETED", "FAILED"}, timeout=300)
+    assert final["status"] == "FAILED" and "metric rows refused" in final["error"]
+    assert _open_rows(store, sid) == []
+    assert _running_optuna(db_url, sid) == []
+    items = client.get(f"/v1/studies/{sid}/trials").json()["items"]
+    assert any(t["state"] == "FAILED" and t["error"].startswith("study failed") for t in items)
+
+
+# ---- item 5: a spec that asks for CUDA without GPUs ----------------------------------------
+
+
+def test_cuda_without_gpus_is_refused_at_post(client: TestClient) -> None:
+    """Before: accepted; every trial's worker failed before it started, and a fused study
+    relaunched its workers for ever. Now a 422 names the field (a node that was given GPUs
+    but has no CUDA fails its trials after `max_retries`: test_scheduler)."""
+    spec = fault_spec(n_trials=2)
+    spec["base"]["device"] = "cuda"
+    spec["fuse"] = 2
+    r = client.post("/v1/studies", json=spec)
+    assert r.status_code == 422, r.text
+    assert [e["field"] for e in r.json()["errors"]] == ["resources.gpus"]
+
+
+# ---- item 7: a cancel can be repeated ---------------------------------------------------------
+
+
+def test_a_cancel_interrupted_half_way_is_finished_by_the_next(
+    db_url: str, store: Store, pg_server: str
+) -> None:
+    """Before: the first cancel committed CANCELLED, then failed before closing the trials;
+    a second cancel returned early (the study was terminal): open rows for ever."""
+    row, _ = store.studies.create(StudySpec.model_validate(fault_spec(n_trials=2)))
+    sid = row.id
+    store.studies.set_status(sid, StudyStatus.RUNNING)
+    storage = optuna_storage(db_url)
+    study = optuna.create_study(storage=storage, study_name=optuna_study_name(sid))
+    for n in range(2):
+        study.ask()
+        store.trials.insert_queued(sid, n, {}, 0)
+    storage.engine.dispose()
+    unreachable = pg_server.rsplit("/", 1)[0] + "/qkscope_no_such_database"
+    with pytest.raises(Exception, match="qkscope_no_such_database"):
+        cancel_study(store, None, sid, unreachable)
+    assert store.studies.get(sid).status == StudyStatus.CANCELLED  # type: ignore[union-attr]
+    assert len(_open_rows(store, sid)) == 2  # the half a failed cancel left
+    out = cancel_study(store, None, sid, db_url)
+    assert out is not None and out.status == StudyStatus.CANCELLED
+    assert _open_rows(store, sid) == [] and _running_optuna(db_url, sid) == []
+
+
+# ---- item 8: a submission whose answer is lost --------------------------------------------
+
+
+def _swallowing_proxy(target_port: int) -> tuple[int, socket.socket]:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def pipe(client: socket.socket) -> None:
+        up = socket.create_connection(("127.0.0.1", target_port))
+        try:
+            while data := client.recv(65536):
+                up.sendall(data)
+        except OSError:
+            pass
+
+    def serve() -> None:
+        while True:
+            try:
+                client, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=pipe, args=(client,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1], srv
+
+
+def test_a_submission_whose_answer_was_lost_is_not_submitted_again(
+    db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
+) -> None:
+    """Before: the job client timed out after Ray had accepted the job; the job id was
+    never recorded and the attempt was given back, so the reconciler submitted a second
+    runner for the same study. Now the id is recorded first, and found in Ray's list."""
+    settings = Settings(database_url=db_url, ray_address=ray_head.dashboard_url, home=tmp_path)
+    row, _ = store.studies.create(StudySpec.model_validate(fault_spec(n_trials=1, steps=20)))
+    t0 = time.time() * 1000  # Ray's job times are in ms; earlier tests' studies are also "1"
+    port = int(ray_head.dashboard_url.rsplit(":", 1)[1])
+    proxy, srv = _swallowing_proxy(port)
+    launcher = JobLauncher(ray_head.dashboard_url, timeout_s=5)
+    launcher._client._address = f"http://127.0.0.1:{proxy}"  # the answer never comes back
+    try:
+        with pytest.raises(Exception, match="(?i)timed? ?out"):
+            launch_study(store, launcher, settings, row.id, seen_attempts=0)
+    finally:
+        srv.close()
+    recorded = store.studies.get(row.id)
+    assert recorded is not None and recorded.ray_job_id and recorded.job_attempts == 1
+    real = JobLauncher(ray_head.dashboard_url)
+    deadline = time.monotonic() + 30
+    while real.status(recorded.ray_job_id) is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # Ray accepted it: it shows up under the recorded id
+    assert real.status(recorded.ray_job_id) is not None
+    assert reconcile(store, real, settings, grace_s=0) == 0
+    mine = [
+        j
+        for j in real.list_jobs()
+        if (j.metadata or {}).get("qkscope_study") == str(row.id) and (j.start_time or 0) >= t0
+    ]
+    assert [j.submission_id for j in mine] == [recorded.ray_job_id]  # one runner, not two
+    cancel_study(store, real, row.id, db_url)
+
+
+# ---- item 9: a runner killed between Optuna's ask and our row ------------------------------
+
+
+def test_a_trial_asked_by_a_dead_runner_before_its_row_is_adopted_and_run(
+    db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
+) -> None:
+    """Before: the next runner told Optuna FAIL and wrote no row: a trial number missing
+    from our table and one trial of the budget spent. Now it is adopted: its row is
+    written and it runs like any other."""
+    settings = Settings(
+        database_url=db_url,
+        ray_address=ray_head.dashboard_url,
+        home=tmp_path,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    row, _ = store.studies.create(StudySpec.model_validate(fault_spec(n_trials=3, steps=20)))
+    store.studies.set_status(row.id, StudyStatus.RUNNING)
+    storage = optuna_storage(db_url)
+    optuna.create_study(storage=storage, study_name=optuna_study_name(row.id)).ask()
+    storage.engine.dispose()  # the dead runner's ask: RUNNING in Optuna, no row of ours
+    assert launch_study(store, JobLauncher(ray_head.dashboard_url), settings, row.id)
+    deadline = time.monotonic() + 300
+    while store.studies.status(row.id) == StudyStatus.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.5)
+    trials = check_finished_study(db_url, row.id)  # each planned trial exactly once
+    assert trials[0].number == 0 and trials[0].state == TrialState.COMPLETE
+
+
+# ---- item 1: an end that arrives after its worker's end -------------------------------------
+
+
+@ray.remote(num_cpus=0)
+def _worker_that_hands_back_late(name: str, trials: list[int], inbox: Any) -> WorkerDone:
+    """A slot worker whose hand-backs reach the inbox after its task has ended (a thread
+    left behind in the reused Ray worker process sends them 1.5 s later)."""
+
+    def late() -> None:
+        time.sleep(1.5)
+        for n in trials:
+            inbox.ended.remote(HandedBack(name, n, 1))
+
+    threading.Thread(target=late, daemon=True).start()
+    return WorkerDone(name, "node", len(trials), 0)
+
+
+class _Placements:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, list[int]]] = []
+
+    def start(self, name: str, capacity: int, first: list[Assignment]) -> None:
+        self.calls.append(("start", name, [a.trial for a in first]))
+
+    def assign(self, name: str, items: list[Assignment]) -> None:
+        self.calls.append(("assign", name, [a.trial for a in items]))
+
+    def close(self, name: str) -> None:
+        self.calls.append(("close", name, []))
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_hand_backs_held_back_past_their_workers_end_place_nothing_twice(
+    ray_head: LocalRayHead, db_url: str
+) -> None:
+    """The review's double-training race, through a real inbox and real Ray tasks: a worker's
+    end is handled (its trials wait again and are placed in a new worker) before its late
+    hand-backs arrive. Before: the hand-backs took the trials out of the new worker's book
+    and requeued them, so a third worker trained them while the second still did."""
+    ray.init(address=f"127.0.0.1:{ray_head.gcs_port}", log_to_driver=False)
+    try:
+        spec = StudySpec.model_validate(
+            {"name": "late", "base": TINY, "budget": {"n_trials": 2}, "fuse": 2}
+            | {"sampler": {"kind": "random"}}
+        )
+        pool = RayPool(spec)
+        placements = _Placements()
+        sched = Scheduler(spec, 1, placements)
+        study = optuna.create_study()
+        from workers.config import TrialConfig
+
+        recs = []
+        for _ in range(2):
+            trial = study.ask()
+            cfg = TrialConfig.model_validate(TINY)
+            key, slots = slot_key(spec, cfg, trial.number)
+            recs.append(TrialRecord(trial, trial.number, {}, cfg, key=key, slots=slots))
+            sched.add(recs[-1])
+        sched.schedule()
+        w0 = recs[0].worker
+        assert w0 is not None and recs[1].worker == w0
+        ref = _worker_that_hands_back_late.remote(w0, [0, 1], pool.inbox)
+        pool.refs[ref] = w0
+        ended: list[Any] = []
+        while not ended:
+            batch, ended = pool.wait(1.0)
+        assert not batch.ends  # the hand-backs are still on their way
+        assert sched.worker_ended(w0, None) == []
+        sched.schedule()
+        w1 = recs[0].worker
+        assert w1 not in (None, w0) and recs[1].worker == w1
+        late: list[Any] = []
+        deadline = time.monotonic() + 30
+        while len(late) < 2 and time.monotonic() < deadline:
+            late += pool.wait(1.0)[0].ends
+        assert sorted(m.trial for m in late) == [0, 1]
+        before = list(placements.calls)
+        for msg in late:
+            assert sched.ended(msg) is None
+        sched.schedule()
+        assert placements.calls == before  # nothing placed a second time
+        assert [r.status for r in recs] == [Status.PLACED, Status.PLACED]
+        assert {r.worker for r in recs} == {w1}
+        pool.close_inbox()
+    finally:
+        ray.shutdown()
