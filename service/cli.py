@@ -242,6 +242,39 @@ def serve(args: argparse.Namespace) -> int:
         lock.release()
 
 
+def _local_head(args: argparse.Namespace, settings: Settings, lock: ServeLock) -> Any:
+    """The embedded Ray head: one an earlier `serve` left running (adopted), else a new one;
+    `settings.ray_address` then points at it."""
+    from service.control.ray_cluster import LocalRayHead
+
+    head = LocalRayHead(
+        settings.home,
+        dashboard_port=args.dashboard_port,
+        gcs_port=args.ray_port,
+        num_cpus=args.num_cpus,
+    )
+    if head.adopt():
+        _say(
+            f"reusing the local Ray head an earlier `qkscope serve` left running "
+            f"(pid {head.pid}, dashboard {head.dashboard_url}); its `serve` is gone, so "
+            "this one now owns it and stops it on exit"
+        )
+        settings.ray_address = head.dashboard_url
+    else:
+        _say(f"starting a local Ray head (dashboard {head.dashboard_url}, token auth on) ...")
+        try:
+            settings.ray_address = head.start()
+        except (RuntimeError, TimeoutError) as e:  # the log it names says why
+            raise CliError(f"could not start a local Ray head: {e}") from None
+        _say(f"started the local Ray head (pid {head.pid})")
+    lock.update(ray_address=settings.ray_address, owns_head=True, head_pid=head.pid)
+    return head
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _serve_locked(
     args: argparse.Namespace, settings: Settings, lock: ServeLock, api_url: str
 ) -> int:
@@ -249,35 +282,8 @@ def _serve_locked(
 
     from service.app import create_app
     from service.control.head_watch import HeadWatchdog
-    from service.control.ray_cluster import LocalRayHead
 
-    head = None
-    if not settings.ray_address:
-        head = LocalRayHead(
-            settings.home,
-            dashboard_port=args.dashboard_port,
-            gcs_port=args.ray_port,
-            num_cpus=args.num_cpus,
-        )
-        if head.adopt():
-            _say(
-                f"reusing the local Ray head an earlier `qkscope serve` left running "
-                f"(pid {head.pid}, dashboard {head.dashboard_url}); its `serve` is gone, so "
-                "this one now owns it and stops it on exit"
-            )
-            settings.ray_address = head.dashboard_url
-        else:
-            _say(f"starting a local Ray head (dashboard {head.dashboard_url}, token auth on) ...")
-            try:
-                settings.ray_address = head.start()
-            except (RuntimeError, TimeoutError) as e:  # the log it names says why
-                raise CliError(f"could not start a local Ray head: {e}") from None
-            _say(f"started the local Ray head (pid {head.pid})")
-        lock.update(ray_address=settings.ray_address, owns_head=True, head_pid=head.pid)
-
-    def _terminate(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
+    head = None if settings.ray_address else _local_head(args, settings, lock)
     signal.signal(signal.SIGTERM, _terminate)  # docker stop, kill, `qkscope stop`
     server = uvicorn.Server(
         uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning")
@@ -294,25 +300,7 @@ def _serve_locked(
     if head is not None:
         watchdog = HeadWatchdog(head, settings.head_check_interval_s, _say, _give_up)
     try:
-        thread.start()
-        while not server.started:
-            if not thread.is_alive():
-                raise CliError(f"the API did not start on {api_url}: see the error above")
-            time.sleep(0.1)
-        if watchdog is not None:
-            watchdog.start()
-        _say(
-            f"qkscope API on {api_url} (docs {api_url}/docs); web UI {api_url}/ui/; "
-            f"Ray dashboard {settings.ray_address}"
-        )
-        if args.run:
-            code = _run_study(api_url, args.run, args.exit_when_done)
-            if code is not None:
-                return code
-        thread.join()
-        if gave_up:
-            raise CliError(gave_up[0])
-        return 0
+        return _until_done(args, settings, api_url, server, thread, watchdog, gave_up)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -324,6 +312,37 @@ def _serve_locked(
         if head is not None:  # started here, or taken over from a `serve` that died
             head.stop()
             _say("stopped the local Ray head")
+
+
+def _until_done(
+    args: argparse.Namespace,
+    settings: Settings,
+    api_url: str,
+    server: Any,
+    thread: threading.Thread,
+    watchdog: Any,
+    gave_up: list[str],
+) -> int:
+    """Start the API and the head's watchdog, run `--run`'s study, wait for the end."""
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise CliError(f"the API did not start on {api_url}: see the error above")
+        time.sleep(0.1)
+    if watchdog is not None:
+        watchdog.start()
+    _say(
+        f"qkscope API on {api_url} (docs {api_url}/docs); web UI {api_url}/ui/; "
+        f"Ray dashboard {settings.ray_address}"
+    )
+    if args.run:
+        code = _run_study(api_url, args.run, args.exit_when_done)
+        if code is not None:
+            return code
+    thread.join()
+    if gave_up:
+        raise CliError(gave_up[0])
+    return 0
 
 
 def stop() -> int:

@@ -10,10 +10,12 @@ than MAX_ROWS come in pages, `next_cursor`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 from pydantic import BaseModel, Field
+from sqlalchemy import Row
 
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
@@ -55,6 +57,28 @@ class TrialSeriesOut(BaseModel):
         ),
     )
     series: list[SeriesOut] = Field(description="ordered by (name, layer, head)")
+
+
+def _group(rows: Sequence[Row[str, int, int, int, float | None]]) -> list[SeriesOut]:
+    """Rows ordered by (name, layer, head, step) as one series per (name, layer, head)."""
+    series: list[SeriesOut] = []
+    key: tuple[str, int, int] | None = None
+    for r in rows:
+        k = (r[0], r[1], r[2])
+        if k != key:
+            key = k
+            series.append(
+                SeriesOut(
+                    name=r[0],
+                    layer=queries.index_or_none(r[1]),
+                    head=queries.index_or_none(r[2]),
+                    steps=[],
+                    values=[],
+                )
+            )
+        series[-1].steps.append(r[3])
+        series[-1].values.append(r[4])
+    return series
 
 
 @router.get(
@@ -117,23 +141,7 @@ def get_series(
     if len(rows) > limit:
         r = rows[limit]
         next_cursor = encode_cursor((r.name, r.layer, r.head, r.step))
-    series: list[SeriesOut] = []
-    key: tuple[str, int, int] | None = None
-    for r in rows[:limit]:
-        k = (r[0], r[1], r[2])
-        if k != key:
-            key = k
-            series.append(
-                SeriesOut(
-                    name=r[0],
-                    layer=queries.index_or_none(r[1]),
-                    head=queries.index_or_none(r[2]),
-                    steps=[],
-                    values=[],
-                )
-            )
-        series[-1].steps.append(r[3])
-        series[-1].values.append(r[4])
+    series = _group(rows[:limit])
     return TrialSeriesOut(
         trial_id=trial_id,
         rows=min(len(rows), limit),

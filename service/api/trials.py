@@ -43,6 +43,30 @@ MAX_METRIC_ROWS = 100_000  # rows one /metrics call returns at most
 NEXT_CURSOR = "X-Next-Cursor"
 
 
+def _check_names(session: SessionDep, trial_id: int, names: list[str]) -> None:
+    """422 naming `name` for a malformed name, or one neither registered nor stored for the
+    trial (a name outside the registry is fine only if the trial stored it, as the plot
+    route allows)."""
+    bad = [n for n in names if not _METRIC_NAME.fullmatch(n)]
+    if bad:
+        raise ApiError(
+            422,
+            "validation_error",
+            f"name: {bad[0]!r} is not a metric name",
+            [FieldError(field="name", message="letters, digits and _ only")],
+        )
+    unknown = [n for n in names if n not in SERIES_NAMES]
+    missing = set(unknown) - queries.stored_metric_names(session, trial_id, unknown)
+    if missing:
+        first = next(n for n in unknown if n in missing)
+        raise ApiError(
+            422,
+            "validation_error",
+            f"name: unknown metric {first!r}",
+            [FieldError(field="name", message=f"one of {', '.join(SERIES_NAMES)}")],
+        )
+
+
 @router.get(
     "/trials/{trial_id}/metrics",
     response_model=list[MetricOut],
@@ -83,25 +107,7 @@ def get_metrics(
     for the trial); an unknown name is a 422 naming `name`, not an empty list."""
     start = decode_cursor(cursor)
     _get_trial(session, trial_id)
-    bad = [n for n in name or [] if not _METRIC_NAME.fullmatch(n)]
-    if bad:
-        raise ApiError(
-            422,
-            "validation_error",
-            f"name: {bad[0]!r} is not a metric name",
-            [FieldError(field="name", message="letters, digits and _ only")],
-        )
-    # A name outside the registry is fine only if the trial stored it (as the plot route).
-    unknown = [n for n in name or [] if n not in SERIES_NAMES]
-    missing = set(unknown) - queries.stored_metric_names(session, trial_id, unknown)
-    if missing:
-        first = next(n for n in unknown if n in missing)
-        raise ApiError(
-            422,
-            "validation_error",
-            f"name: unknown metric {first!r}",
-            [FieldError(field="name", message=f"one of {', '.join(SERIES_NAMES)}")],
-        )
+    _check_names(session, trial_id, name or [])
     rows = queries.metric_series(
         session,
         trial_id,

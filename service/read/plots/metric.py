@@ -70,28 +70,13 @@ def default_metric_trials(session: Session, study: Study, n: int = DEFAULT_TRIAL
     return sorted(latest, key=lambda t: t.number)
 
 
-def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
-    metric = o.metric or "val_loss"
+def _check_metric(session: Session, study: Study, metric: str, o: PlotOptions) -> None:
     if not METRIC_NAME.fullmatch(metric):
         raise PlotError("metric", f"{metric!r} is not a metric name (letters, digits and _)")
     if metric in SCALAR_METRICS and (o.layer is not None or o.head is not None):
         raise PlotError("layer" if o.layer is not None else "head", f"{metric} has no layer/head")
     if metric in LAYER_METRICS and o.head is not None:
         raise PlotError("head", f"{metric} is measured per layer, not per head")
-    if o.trials:
-        numbers = _parse_trials(o.trials)
-        found = session.scalars(
-            select(Trial).where(Trial.study_id == study.id, Trial.number.in_(numbers))
-        ).all()
-        by_number = {t.number: t for t in found}
-        missing = [n for n in numbers if n not in by_number]
-        if missing:
-            raise PlotError(
-                "trials", f"no trial number {', '.join(map(str, missing))} in study {study.id}"
-            )
-        chosen = [by_number[n] for n in numbers]
-    else:
-        chosen = default_metric_trials(session, study)
     if metric not in KNOWN_METRICS:
         stored = session.scalar(
             select(Metric.name)
@@ -103,34 +88,61 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
             raise PlotError(
                 "metric", f"unknown metric {metric!r}; known: {', '.join(KNOWN_METRICS)}"
             )
-    series: list[dict[str, Any]] = []
-    if chosen:
-        q = select(Metric).where(Metric.trial_id.in_([t.id for t in chosen]), Metric.name == metric)
-        if o.layer is not None:
-            q = q.where(Metric.layer == o.layer)
-        if o.head is not None:
-            q = q.where(Metric.head == o.head)
-        rows = session.scalars(
-            q.order_by(Metric.trial_id, Metric.layer, Metric.head, Metric.step)
-        ).all()
-        grouped: dict[tuple[int, int, int], list[Metric]] = {}
-        for r in rows:
-            grouped.setdefault((r.trial_id, r.layer, r.head), []).append(r)
-        number_of = {t.id: t.number for t in chosen}
-        rank = {t.id: i for i, t in enumerate(chosen)}
+
+
+def _chosen_trials(session: Session, study: Study, o: PlotOptions) -> list[Trial]:
+    """The trials `o.trials` names (all must exist), else the default pick."""
+    if not o.trials:
+        return list(default_metric_trials(session, study))
+    numbers = _parse_trials(o.trials)
+    found = session.scalars(
+        select(Trial).where(Trial.study_id == study.id, Trial.number.in_(numbers))
+    ).all()
+    by_number = {t.number: t for t in found}
+    missing = [n for n in numbers if n not in by_number]
+    if missing:
+        raise PlotError(
+            "trials", f"no trial number {', '.join(map(str, missing))} in study {study.id}"
+        )
+    return [by_number[n] for n in numbers]
+
+
+def _series(
+    session: Session, chosen: list[Trial], metric: str, o: PlotOptions
+) -> list[dict[str, Any]]:
+    """One series per (trial, layer, head), in the chosen trials' order."""
+    if not chosen:
+        return []
+    q = select(Metric).where(Metric.trial_id.in_([t.id for t in chosen]), Metric.name == metric)
+    if o.layer is not None:
+        q = q.where(Metric.layer == o.layer)
+    if o.head is not None:
+        q = q.where(Metric.head == o.head)
+    rows = session.scalars(q.order_by(Metric.trial_id, Metric.layer, Metric.head, Metric.step))
+    grouped: dict[tuple[int, int, int], list[Metric]] = {}
+    for r in rows.all():
+        grouped.setdefault((r.trial_id, r.layer, r.head), []).append(r)
+    number_of = {t.id: t.number for t in chosen}
+    rank = {t.id: i for i, t in enumerate(chosen)}
+    return [
+        {
+            "trial": number_of[tid],
+            "trial_id": tid,
+            "layer": None if layer == NO_INDEX else layer,
+            "head": None if head == NO_INDEX else head,
+            "steps": [p.step for p in pts],
+            "values": [finite(p.value) for p in pts],
+        }
         for (tid, layer, head), pts in sorted(
             grouped.items(), key=lambda kv: (rank[kv[0][0]], kv[0][1], kv[0][2])
-        ):
-            series.append(
-                {
-                    "trial": number_of[tid],
-                    "trial_id": tid,
-                    "layer": None if layer == NO_INDEX else layer,
-                    "head": None if head == NO_INDEX else head,
-                    "steps": [p.step for p in pts],
-                    "values": [finite(p.value) for p in pts],
-                }
-            )
+        )
+    ]
+
+
+def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
+    metric = o.metric or "val_loss"
+    _check_metric(session, study, metric, o)
+    chosen = _chosen_trials(session, study, o)
     return {
         "kind": "metric",
         "study_id": study.id,
@@ -138,7 +150,7 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
         "layer": o.layer,
         "head": o.head,
         "trials": [t.number for t in chosen],
-        "series": series,
+        "series": _series(session, chosen, metric, o),
         "x_label": "step",
         "y_label": metric,
         "title": f"study {study.id}: {metric}",
