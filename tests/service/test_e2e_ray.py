@@ -82,6 +82,8 @@ def test_study_runs_end_to_end(app_client: TestClient, db_url: str, ray_head: Lo
                         for name in (
                             "attn_entropy",
                             "attn_entropy_norm",
+                            "attn_top1_mass",
+                            "attn_target_mass",  # associative recall knows the answer's key
                             "qk_eig_mean",
                             "qk_eig_var",
                             "qk_eig_mean_rank",
@@ -91,7 +93,7 @@ def test_study_runs_end_to_end(app_client: TestClient, db_url: str, ray_head: Lo
                     assert ("rank_ratio", layer, -1, step) in got
                 assert ("val_loss", -1, -1, step) in got
             per_eval = (
-                5 * n_layers * n_heads + (n_layers + 1) + 5
+                7 * n_layers * n_heads + (n_layers + 1) + 5
             )  # + train/val loss, grad, lr, penalty
             assert len(rows) == per_eval * len(eval_steps)
 
