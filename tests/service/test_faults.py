@@ -340,3 +340,39 @@ def test_hand_backs_held_back_past_their_workers_end_place_nothing_twice(
         pool.close_inbox()
     finally:
         ray.shutdown()
+
+
+# ---- item 3: a point of the search space that fails at run time -------------------------
+
+
+def test_a_search_space_point_that_fails_at_run_time_fails_one_trial_not_the_study(
+    db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
+) -> None:
+    """POST refuses such a space (service/space.py); a stored spec that slipped past it (a
+    huge space is checked on a sample; one stored before the check) must still not fail the
+    whole study. Before: the runner's config for n_heads 3 raised and the study went FAILED."""
+    settings = Settings(
+        database_url=db_url,
+        ray_address=ray_head.dashboard_url,
+        home=tmp_path,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    body = fault_spec(n_trials=6, steps=20)
+    # the endpoints 2 and 4 divide d_model 32 (what the spec's own check tries), 3 does not
+    body["search_space"] = {"model.n_heads": {"type": "int", "low": 2, "high": 4}}
+    body["sampler"] = {"kind": "random", "seed": 3}
+    row, _ = store.studies.create(StudySpec.model_validate(body))  # not through POST
+    assert launch_study(store, JobLauncher(ray_head.dashboard_url), settings, row.id)
+    deadline = time.monotonic() + 300
+    while store.studies.status(row.id) in (StudyStatus.PENDING, StudyStatus.RUNNING):
+        assert time.monotonic() < deadline, "study did not end"
+        time.sleep(0.5)
+    assert store.studies.status(row.id) == StudyStatus.COMPLETED
+    with store.sessions() as s:
+        trials = list(s.scalars(select(Trial).where(Trial.study_id == row.id)))
+    bad = [t for t in trials if t.params["model.n_heads"] == 3]
+    good = [t for t in trials if t.params["model.n_heads"] != 3]
+    assert len(trials) == 6 and bad and good  # the premise: the seed draws both
+    assert all(t.state == TrialState.FAILED and "n_heads" in (t.error or "") for t in bad)
+    assert all(t.state == TrialState.COMPLETE for t in good)
+    assert _running_optuna(db_url, row.id) == []
