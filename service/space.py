@@ -30,7 +30,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from service.spec import (
-    HISTORY_FREE_SAMPLERS,
     CategoricalParam,
     FixedParam,
     FloatParam,
@@ -304,8 +303,6 @@ def _members(spec: StudySpec, config: TrialConfig) -> int:
         return 1
     if spec.fuse != "auto":
         return spec.fuse
-    if spec.sampler.kind not in HISTORY_FREE_SAMPLERS:
-        return 1
     return auto_fuse(config, 0.0)
 
 

@@ -73,7 +73,7 @@ def trial_config(
 def slot_key(spec: StudySpec, config: TrialConfig, number: int) -> tuple[str, int]:
     """Which workers may train the trial, and how many slots a new one of them gets.
 
-    One slot per worker (`fuse: 1`, or `fuse: auto` for samplers that learn from results):
+    One slot per worker (`fuse: 1`, or `fuse: auto` where the base config does not gain):
     any one-slot worker of the same device and precision (it trains whatever it is given
     with the plain runner). Otherwise the trial's fusion key: a config the fused model
     refuses gets a key (and a one-slot worker) of its own; with `fuse: auto` each key gets

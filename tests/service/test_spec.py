@@ -135,8 +135,11 @@ def test_fuse_auto_resolves_per_study_and_never_refuses() -> None:
     assert small.fuse == "auto" and small.slots == 4  # the default; 0.18 GFLOP a step
     medium = StudySpec.model_validate({**rnd, "base": {"batch_size": 8}})
     assert medium.slots == 1  # 0.35 GFLOP: fusion costs more than it saves on a CPU core
-    # a sampler that learns from finished trials is never fused by auto
-    assert StudySpec.model_validate({**BASE, "base": {"batch_size": 8}}).slots == 1  # tpe
+    # under every sampler: TPE (the default) and GP fuse as random does (bench/fuse_sampler.py)
+    for kind in ("tpe", "gp", "cmaes"):
+        learner = {**BASE, "sampler": {"kind": kind}}
+        assert StudySpec.model_validate({**learner, "base": {"batch_size": 4}}).slots == 4
+        assert StudySpec.model_validate({**learner, "base": {"batch_size": 8}}).slots == 1
     big_model = {"n_layers": 4, "n_heads": 4, "d_model": 128, "d_ff": 512}
     big = {**rnd, "fuse": "auto", "base": {"model": big_model, "batch_size": 64}}
     assert StudySpec.model_validate(big).slots == 1

@@ -76,10 +76,10 @@ def test_fuse_auto_gives_each_key_the_slots_its_own_config_gains(tmp_path: Path)
 
 
 def test_one_slot_workers_take_any_trial_of_their_device_and_precision(tmp_path: Path) -> None:
-    """`fuse: 1` (and `fuse: auto` under TPE): one key for every trial of a device and
-    precision, whatever its architecture, so a one-slot worker trains trial after trial."""
+    """`fuse: 1`, under any sampler: one key for every trial of a device and precision,
+    whatever its architecture, so a one-slot worker trains trial after trial."""
     settings = Settings(home=tmp_path, checkpoint_dir=str(tmp_path / "ckpt"))
-    for fuse, sampler in ((1, "random"), ("auto", "tpe")):
+    for fuse, sampler in ((1, "random"), (1, "tpe")):
         spec = StudySpec.model_validate(
             {"name": "o", "budget": {"n_trials": 3}, "search_space": SPACE, "fuse": fuse}
             | {"sampler": {"kind": sampler}}
