@@ -41,7 +41,7 @@ from workers.messages import (
     WorkerDone,
 )
 
-__all__ = ["SlotWorker", "check_gpus", "run_slot_worker_task", "warm_up"]
+__all__ = ["SlotWorker", "check_gpus", "run_slot_worker_task"]
 
 
 def check_gpus(gpu_ids: list[Any], node: str) -> None:
@@ -296,15 +296,6 @@ def _is_oom(e: BaseException) -> bool:
     if isinstance(e, torch.OutOfMemoryError | MemoryError):
         return True
     return isinstance(e, RuntimeError) and any(m in str(e) for m in _HOST_OOM)
-
-
-def warm_up() -> None:
-    """Import what training needs (torch, the engine, the fused runner) in this Ray worker
-    process, ahead of the slot worker that Ray will run in it next: the runner sends one per
-    worker it is about to start while it opens the study (service/runner/pool.py,
-    `prestart`), so the first trials do not wait for a cold process to import torch."""
-    import workers.engine  # noqa: F401
-    import workers.fused  # noqa: F401
 
 
 def run_slot_worker_task(

@@ -23,11 +23,10 @@ from datetime import UTC
 from typing import TYPE_CHECKING, Any
 
 import optuna
-import ray
 
 from service.config import Settings
 from service.runner import configs
-from service.runner.pool import Ended, RayPool, prestart
+from service.runner.pool import Ended, RayPool
 from service.runner.records import TrialRecord
 from service.runner.reports import Reports
 from service.runner.results import judge, judge_stored, result_row
@@ -64,9 +63,6 @@ class StudyRunner:
             raise LookupError(f"study {study_id} not found")
         self.spec = StudySpec.model_validate(row.spec)
         self.status = StudyStatus(row.status)
-        # The first workers' processes start (and import torch) while Optuna opens the study.
-        live = ray.is_initialized() and self.status not in TERMINAL
-        self.warm = prestart(self.spec) if live else []
         self.attempt = row.job_attempts  # this runner's job attempt (0: run by hand)
         # whose checkpoints: a new study with the same id (a reset database) is another
         self.owner = f"study-{study_id}@{row.created_at.isoformat()}"

@@ -19,31 +19,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from service.spec import StudySpec
 from workers.inbox import TrialInbox
 from workers.messages import Assignment, Batch, WorkerDone
-from workers.slot_worker import run_slot_worker_task, warm_up
+from workers.slot_worker import run_slot_worker_task
 
-__all__ = ["FENCE_TIMEOUT_S", "Ended", "RayPool", "prestart"]
+__all__ = ["FENCE_TIMEOUT_S", "Ended", "RayPool"]
 
 _worker_task = ray.remote(run_slot_worker_task)
-_warm_task = ray.remote(warm_up)
 FENCE_TIMEOUT_S = 60.0  # how long the stream may lag the inbox at a worker's end
-MAX_PRESTART = 16  # warm processes at most, whatever the parallelism
-
-
-def prestart(spec: StudySpec) -> list[Any]:
-    """Start the worker processes of the study's first slot workers now, before its first
-    trials are asked: one `warm_up` task per worker that can run at once, shaped like a slot
-    worker (so Ray places it where one would go), imports torch and the trainer there, and
-    leaves a warm idle process that Ray hands to the next task of this job. A cold process
-    and torch's import are most of the time from POST to the first step (bench/startup.py).
-    Returns the tasks' refs, kept only so that nothing drops them."""
-    res = spec.resources
-    total = ray.cluster_resources()
-    fit = int(total.get("CPU", 0) // res.cpus) if res.cpus > 0 else spec.parallelism
-    if res.gpus > 0:
-        fit = min(fit, int(total.get("GPU", 0) // res.gpus))
-    n = max(0, min(spec.parallelism, fit, MAX_PRESTART))
-    opts = {"num_cpus": res.cpus, "num_gpus": res.gpus, "max_retries": 0, "name": "warm-up"}
-    return [_warm_task.options(**opts).remote() for _ in range(n)]
 
 
 @dataclass(frozen=True, slots=True)
