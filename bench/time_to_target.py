@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     runs: dict[str, list[list[End]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="qkscope-ttt-") as tmp:
+        (Path(tmp) / "serve").mkdir()
         serve = start_serve(Path(tmp) / "serve", CONCURRENCY) if "qkscope" in names else None
         try:
             for seed in range(args.seeds):  # interleaved: each seed runs all frameworks
