@@ -8,8 +8,9 @@ lambda), constraints `min_norm_entropy >= 0.1` and `final_rank_ratio >= 0.05` (n
 collapse, no rank collapse). The target is TARGET below: the 5th percentile of the feasible
 final validation losses of a 96-trial random study of this space (`--calibrate` reruns it).
 
-- qkscope with its defaults (TPE, `fuse: auto`, infeasible trials stopped), POSTed to a
-  `qkscope serve` (its own Ray head, 2 CPUs), `parallelism: 2`;
+- qkscope with its defaults (TPE, `fuse: auto`, infeasible trials stopped, no loss pruner),
+  POSTed to a `qkscope serve` (its own Ray head, 2 CPUs), `parallelism: 2`; `qkscope-median`
+  is the same with the median pruner that plain Optuna gets (`--only` picks the lines);
 - plain Optuna: `n_jobs=2` threads, TPE with the same constraints through
   `constraints_func`, the median pruner;
 - Ray Tune: `OptunaSearch` (TPE; Tune cannot pass constraint values to it) with the ASHA
@@ -91,8 +92,10 @@ def feasible(summary: Any) -> bool:
 # ---- qkscope ------------------------------------------------------------------------------
 
 
-def run_qkscope(c: httpx.Client, seed: int, budget: float, steps: int, trials: int) -> list[End]:
-    body = {
+def run_qkscope(
+    c: httpx.Client, seed: int, budget: float, steps: int, trials: int, median: bool = False
+) -> list[End]:
+    body: dict[str, Any] = {
         "name": f"ttt-{seed}",
         "base": base(steps),
         "search_space": SPACE,
@@ -103,6 +106,8 @@ def run_qkscope(c: httpx.Client, seed: int, budget: float, steps: int, trials: i
         "constraints": [{"metric": k, "op": ">=", "value": v} for k, v in BOUNDS.items()],
         "resources": {"cpus": 1, "gpus": 0},
     }
+    if median:
+        body["pruner"] = {"kind": "median", "n_startup_trials": 2}
     t0 = time.time()
     _, _, items = post_and_wait(c, body, poll_s=0.2)
     ends = []
@@ -349,14 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[list[End]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="qkscope-ttt-") as tmp:
         (Path(tmp) / "serve").mkdir()
-        serve = start_serve(Path(tmp) / "serve", CONCURRENCY) if "qkscope" in names else None
+        wants_serve = any(n.startswith("qkscope") for n in names)
+        serve = start_serve(Path(tmp) / "serve", CONCURRENCY) if wants_serve else None
         try:
             for seed in range(args.seeds):  # interleaved: each seed runs all frameworks
                 for name in names:
-                    if name == "qkscope":
+                    if name.startswith("qkscope"):
                         assert serve is not None
+                        median = name == "qkscope-median"
                         with httpx.Client(base_url=serve[2], timeout=60) as c:
-                            r = run_qkscope(c, seed, args.budget, args.steps, args.trials)
+                            r = run_qkscope(c, seed, args.budget, args.steps, args.trials, median)
                     elif name == "optuna":
                         r = run_optuna(seed, args.budget, args.steps, args.trials)
                     else:
@@ -387,11 +394,11 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
-    q = next((r for r in rows if r[0] == "qkscope"), None)
-    peers = [r for r in rows if r[0] != "qkscope" and math.isfinite(r[1])]
-    if q is not None and peers:
-        best = min(peers, key=lambda r: r[1])
-        print(f"qkscope vs the fastest peer ({best[0]}): {best[1] / q[1]:.2f}x faster to target")
+    peers = [r for r in rows if not r[0].startswith("qkscope") and math.isfinite(r[1])]
+    for q in (r for r in rows if r[0].startswith("qkscope")):
+        if peers:
+            best = min(peers, key=lambda r: r[1])
+            print(f"{q[0]} vs the fastest peer ({best[0]}): {best[1] / q[1]:.2f}x faster to target")
     if note := busy_note(load0):
         print(note)
     return 0

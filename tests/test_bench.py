@@ -47,3 +47,15 @@ def test_the_training_throughput_benchmark_runs_at_smoke_size() -> None:
         "bench.train_throughput", "--quick", "--steps", "10", "--repeats", "1", "--threads", "1"
     )
     assert "run_trial tok/s" in out
+
+
+@pytest.mark.cluster
+def test_time_to_target_runs_qkscope_and_optuna_at_smoke_size() -> None:
+    """The figure a user cares about: the full path (a `qkscope serve` of its own, a study
+    through REST, plain Optuna beside it) at a few seconds per framework."""
+    out = _run(
+        "bench.time_to_target",
+        *("--seeds", "1", "--budget", "6", "--steps", "30", "--only", "qkscope,optuna"),
+    )
+    lines = {ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("| ")}
+    assert {"qkscope", "optuna"} <= lines, out
