@@ -6,7 +6,7 @@ import enum
 import threading
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from service.api.deps import SessionDep
@@ -65,6 +65,7 @@ def wants_json(fmt: str | None, accept: str | None) -> bool:
     responses=PNG_DOC,
 )
 def get_plot(
+    request: Request,
     session: SessionDep,
     study_id: StudyId,
     kind: PlotKind,
@@ -104,6 +105,7 @@ def get_plot(
         feasible_only=feasible_only,
         target=target,
         evaluator=evaluator,
+        importance_cache=request.app.state.importance,  # shared with /importance
     )
     try:
         data = plot_data(session, study, str(kind), options)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from qkscope import ApiError, Client
@@ -171,6 +171,27 @@ def test_client_and_cli(
         assert lines[1].split()[0] == "model.qk_init_std" and len(lines) == 1 + len(SPACE)
 
 
+def complete_another(engine: Engine, study: int, number: int) -> None:
+    """Another trial of the study completes (and one is pruned, which changes no ranking)."""
+    with Session(engine) as s:
+        params = s.scalars(select(Trial.params).where(Trial.study_id == study).limit(1)).one()
+        s.add(
+            Trial(
+                study_id=study,
+                number=number,
+                state="COMPLETE",
+                params=dict(params),
+                value=2.0,
+                values=[2.0],
+                final_val_loss=2.0,
+                min_norm_entropy=0.5,
+                summary={},
+            )
+        )
+        s.add(Trial(study_id=study, number=number + 1, state="PRUNED", params={}, summary={}))
+        s.commit()
+
+
 def test_a_ranking_is_reused_until_another_trial_completes(
     client: TestClient, engine: Engine
 ) -> None:
@@ -185,22 +206,7 @@ def test_a_ranking_is_reused_until_another_trial_completes(
     first = get(client, study, target="min_norm_entropy")
     again = get(client, study, target="min_norm_entropy")
     assert again == first and (cache.hits, cache.misses) == (hits + 1, misses + 1)
-    with Session(engine) as s:  # another trial completes (and one is pruned: no change)
-        s.add(
-            Trial(
-                study_id=study,
-                number=12,
-                state="COMPLETE",
-                params=dict(s.get(Trial, 1).params),
-                value=2.0,
-                values=[2.0],
-                final_val_loss=2.0,
-                min_norm_entropy=0.5,
-                summary={},
-            )
-        )
-        s.add(Trial(study_id=study, number=13, state="PRUNED", params={}, summary={}))
-        s.commit()
+    complete_another(engine, study, 12)
     after = get(client, study, target="min_norm_entropy")
     assert after["n_trials"] == first["n_trials"] + 1 and cache.misses == misses + 2
     assert (
@@ -208,3 +214,28 @@ def test_a_ranking_is_reused_until_another_trial_completes(
         == "ped_anova"
     )
     assert cache.misses == misses + 3  # another evaluator: another entry
+
+
+def test_the_importance_plot_shares_the_cache(client: TestClient, engine: Engine) -> None:
+    """The `importance` plot kind reads the same cache as /importance (app.state.importance):
+    served again it does not recompute, and it recomputes once another trial completes."""
+    study = create_via_api(
+        client, {"name": "imp-plot-cache", "budget": {"n_trials": 30}, "search_space": SPACE}
+    )
+    seed_trials(engine, study, 12)
+    cache = client.app.state.importance  # type: ignore[attr-defined]
+    hits, misses = cache.hits, cache.misses
+    url, params = f"/v1/studies/{study}/plots/importance", {"target": "min_norm_entropy"}
+    first = client.get(url, params={**params, "format": "json"}).json()
+    assert (cache.hits, cache.misses) == (hits, misses + 1)
+    png = client.get(url, params=params)
+    assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (cache.hits, cache.misses) == (hits + 1, misses + 1)  # served again: no recompute
+    api = get(client, study, target="min_norm_entropy")  # the route shares the entry
+    assert (cache.hits, cache.misses) == (hits + 2, misses + 1)
+    assert [(b["param"], b["importance"]) for b in first["bars"]] == list(
+        api["importances"].items()
+    )
+    complete_another(engine, study, 12)
+    after = client.get(url, params={**params, "format": "json"}).json()
+    assert after["n_trials"] == first["n_trials"] + 1 and cache.misses == misses + 2

@@ -7,15 +7,18 @@ import json
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 
 from service.store.models import SUMMARY_COLUMNS, Study, Trial, TrialState
 from workers.metric_names import FLAG_SUMMARIES, NUMERIC_SUMMARIES, series_by_index
+
+if TYPE_CHECKING:
+    from service.read.importance import ImportanceCache
 
 __all__ = [
     "CATEGORY_FIELDS",
@@ -103,6 +106,9 @@ class PlotOptions:
     feasible_only: bool = True
     target: str | None = None  # importance: objective name or summary metric
     evaluator: str = "fanova"  # importance: fanova or ped_anova
+    # importance: the app's cache (app.state.importance), shared with /importance; None
+    # (a caller without an app) computes the ranking afresh
+    importance_cache: ImportanceCache | None = field(default=None, compare=False, repr=False)
 
 
 def finite(v: Any) -> Any:

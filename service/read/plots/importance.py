@@ -1,6 +1,8 @@
 """`importance` plot: the search-space parameters ranked by importance for `target=` (an objective
 or summary metric) with `evaluator=` fanova (default) or ped_anova (service.read.importance); empty,
-with a note saying how many trials it needs, until enough trials have completed.
+with a note saying how many trials it needs, until enough trials have completed. The ranking
+comes from the app's ImportanceCache (PlotOptions.importance_cache), shared with /importance, so
+it is recomputed only after another trial completes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
     from service.read.importance import ImportanceError, TooFewTrials, importance
 
     try:
-        r = importance(session, study, o.target, o.evaluator)
+        if o.importance_cache is not None:  # reused until another trial completes
+            r = o.importance_cache.get(session, study, o.target, o.evaluator)
+        else:
+            r = importance(session, study, o.target, o.evaluator)
         bars = [{"param": k, "importance": v} for k, v in r.importances.items()]
         target, n, note = r.target, r.n_trials, None
     except TooFewTrials as e:  # like the other kinds while a study runs: an empty plot
