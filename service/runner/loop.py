@@ -209,7 +209,7 @@ class StudyRunner:
                 self.search.tell_failed(trial)
             elif state not in OPEN_TRIAL_STATES:
                 j = judge_stored(self.spec, state, row.summary, row.values)
-                self.search.tell(trial, j.status, j.state, j.values, j.constraints)
+                self.search.tell(trial, j.outcome)
                 log.info("trial %d was recorded %s before the runner died", row.number, state)
             else:
                 config = configs.trial_config(
@@ -240,9 +240,7 @@ class StudyRunner:
             )
             row = result_row(judged, end, time.monotonic() - rec.launched)
             if self.store.trials.record_result(rec.row_id, row):
-                self.search.tell(
-                    rec.trial, judged.status, judged.state, judged.values, judged.constraints
-                )
+                self.search.tell(rec.trial, judged.outcome)
             self.scheduler.done(rec)
 
     def _fail(self, rec: TrialRecord, reason: str) -> None:

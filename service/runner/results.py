@@ -8,13 +8,13 @@ summary is a copy with the study's verdict in it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from service.spec import StudySpec
 from service.store.models import TrialState
+from service.store.optuna import Outcome, constraint_values, objective_values, stored_outcome
 from service.store.trials import ResultRow
 from workers import curves as M
 from workers.config import TrialSummary
@@ -41,19 +41,15 @@ class Judged:
     def feasible(self) -> bool:
         return all(c <= 0 for c in self.constraints)
 
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome(self.status, self.state, self.values, self.constraints)
+
 
 def _values(spec: StudySpec, summary: dict[str, Any], diverged: bool) -> list[float]:
-    out: list[float] = []
-    for obj in spec.objectives:
-        v = summary.get(obj.metric)
-        worst = math.inf if obj.direction == "minimize" else -math.inf
-        out.append(worst if v is None or diverged else float(v))
-    return out
-
-
-def _constraints(spec: StudySpec, summary: dict[str, Any]) -> list[float]:
-    steps = int(spec.base.steps)
-    return [c.violation(summary, steps) for c in spec.constraints] or [0.0]
+    return objective_values(
+        spec, [None if diverged else summary.get(o.metric) for o in spec.objectives]
+    )
 
 
 def judge(
@@ -86,7 +82,7 @@ def judge(
         STATES[status],
         stored,
         _values(spec, stored, status == "diverged"),
-        _constraints(spec, stored),
+        constraint_values(spec, stored),
     )
 
 
@@ -94,15 +90,8 @@ def judge_stored(
     spec: StudySpec, state: TrialState, summary: dict[str, Any] | None, values: list[Any] | None
 ) -> Judged:
     """The outcome our table recorded (told to Optuna after a runner restart)."""
-    summary = summary or {}
-    stored = values or [None] * len(spec.objectives)
-    vals = [
-        (math.inf if o.direction == "minimize" else -math.inf) if v is None else float(v)
-        for o, v in zip(spec.objectives, stored, strict=False)
-    ]
-    return Judged(
-        str(summary.get("status", "completed")), state, summary, vals, _constraints(spec, summary)
-    )
+    o = stored_outcome(spec, state, summary, values)
+    return Judged(o.status, state, summary or {}, o.values, o.constraints)
 
 
 def result_row(judged: Judged, end: Stopped, duration_s: float) -> ResultRow:

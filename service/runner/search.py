@@ -20,8 +20,7 @@ from optuna.trial import TrialState as OptunaState
 
 from service.runner.configs import suggest
 from service.spec import StudySpec
-from service.store.models import TrialState
-from service.store.optuna import optuna_study_name
+from service.store.optuna import Outcome, optuna_study_name, tell_outcome
 from service.store.session import with_retry
 
 __all__ = ["Search", "make_pruner", "make_sampler"]
@@ -135,29 +134,13 @@ class Search:
             return False
         return with_retry(trial.should_prune, "should_prune")
 
-    def tell(
-        self,
-        trial: optuna.Trial,
-        status: str,
-        state: TrialState,
-        values: list[float],
-        constraints: list[float],
-    ) -> None:
+    def tell(self, trial: optuna.Trial, outcome: Outcome) -> None:
         """Tell a trial's outcome with its constraint values (once: a retry after a dropped
-        connection finds it told)."""
-
-        def tell() -> None:
-            if self.storage.get_trial(trial._trial_id).state.is_finished():
-                return
-            for i, (c, v) in enumerate(zip(self.spec.constraints, constraints, strict=False)):
-                trial.set_constraint(f"{i}:{c.metric}{c.op}", v)
-            trial.set_user_attr("qkscope_status", status)
-            if state == TrialState.PRUNED:
-                self.study.tell(trial, state=OptunaState.PRUNED, skip_if_finished=True)
-            else:
-                self.study.tell(trial, values, skip_if_finished=True)
-
-        with_retry(tell, "tell")
+        connection, or a cancel that told it first, finds it told)."""
+        with_retry(
+            functools.partial(tell_outcome, self.study, trial._trial_id, self.spec, outcome),
+            "tell",
+        )
 
     def tell_failed(self, trial: optuna.Trial | int) -> None:
         with_retry(

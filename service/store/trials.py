@@ -19,6 +19,7 @@ import optuna
 from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.spec import StudySpec
 from service.store.ingest import insert_metrics
 from service.store.models import (
     CURRENT_PENALTY_VERSION,
@@ -26,15 +27,19 @@ from service.store.models import (
     OPEN_TRIAL_STATES,
     SUMMARY_COLUMNS,
     Metric,
+    Study,
     Trial,
     TrialState,
     stored_metric_rows,
     utcnow,
 )
-from service.store.optuna import fail_optuna_trials
+from service.store.optuna import Outcome, close_optuna_trials, stored_outcome
 from service.store.session import session_scope, with_retry
 
-__all__ = ["MetricRow", "ResultRow", "StartRow", "TrialRows"]
+__all__ = ["RESULT_STATES", "MetricRow", "ResultRow", "StartRow", "TrialRows"]
+
+# The endings with a result (told to Optuna as recorded); FAILED and CANCELLED have none.
+RESULT_STATES = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.DIVERGED)
 
 # (name, layer, head, value) of one stored number; layer/head None where it has none.
 MetricRow = tuple[int, int, str, int | None, int | None, float]  # (row id, step, *point)
@@ -289,11 +294,28 @@ class TrialRows:
 
         closed = with_retry(write, "close open trials")
         if storage is not None:
+            spec, recorded = with_retry(lambda: self._recorded(study_id), "recorded outcomes")
             with_retry(
-                lambda: fail_optuna_trials(storage, study_id, state.value.lower()),
-                "fail Optuna trials",
+                lambda: close_optuna_trials(storage, study_id, state.value.lower(), spec, recorded),
+                "close Optuna trials",
             )
         return closed
+
+    def _recorded(self, study_id: int) -> tuple[StudySpec, dict[int, Outcome]]:
+        """The study's spec and the outcomes of its trials that ended with a result."""
+        with session_scope(self.sessions) as s:
+            spec = StudySpec.model_validate(
+                s.scalar(select(Study.spec).where(Study.id == study_id))
+            )
+            rows = s.execute(
+                select(Trial.number, Trial.state, Trial.summary, Trial.values).where(
+                    Trial.study_id == study_id, Trial.state.in_(RESULT_STATES)
+                )
+            ).all()
+        return spec, {
+            n: stored_outcome(spec, TrialState(st), summary, values)
+            for n, st, summary, values in rows
+        }
 
     def recount(self, row_ids: list[int]) -> None:
         """Count the metric rows stored now on cancelled rows (after the runner's last batch)."""

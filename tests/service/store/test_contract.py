@@ -8,13 +8,18 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import optuna
 import pytest
+from optuna.trial import TrialState as OptunaState
 from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.control.cancel import cancel_study
+from service.runner.search import Search
 from service.spec import StudySpec
 from service.store import Store, migrate
 from service.store.models import Metric, Study, StudyStatus, Trial, TrialState
+from service.store.optuna import optuna_storage, optuna_study_name, stored_outcome
 from service.store.session import (
     ReadOnlyError,
     make_engine,
@@ -149,6 +154,40 @@ def test_a_cancel_racing_a_result_leaves_one_consistent_ending(store: Store, rou
             assert row.state == TrialState.COMPLETE and row.summary is not None
         else:
             assert row.state == TrialState.CANCELLED and row.summary is None
+
+
+def test_a_cancel_after_a_recorded_result_tells_optuna_what_was_recorded(
+    store: Store, db_url: str
+) -> None:
+    """The other side of the race: the runner recorded a result, then the API's cancel ran
+    before the runner told Optuna (and the job was stopped, so it never will). Before: the
+    cancel failed every RUNNING Optuna trial, so our table said COMPLETE and Optuna FAIL."""
+    sid = _study(store)
+    spec = StudySpec.model_validate(small_quickstart())
+    storage = optuna_storage(db_url)
+    try:
+        study = optuna.create_study(
+            storage=storage, study_name=optuna_study_name(sid), directions=spec.directions()
+        )
+        done, left = study.ask(), study.ask()
+        done_id = store.trials.insert_queued(sid, done.number, {}, 0)
+        left_id = store.trials.insert_queued(sid, left.number, {}, 0)
+        assert store.trials.record_result(done_id, _result(1.25))  # the runner's record...
+        cancel_study(store, None, sid, db_url)  # ...then the cancel, before the runner's tell
+        told = stored_outcome(spec, TrialState.COMPLETE, _result(1.25).summary, [1.25])
+        Search(spec, sid, storage).tell(done, told)  # a late tell changes nothing
+        trials = {t.number: t for t in study.get_trials()}
+        assert trials[done.number].state == OptunaState.COMPLETE
+        assert trials[done.number].values == [1.25]
+        assert trials[done.number].user_attrs["qkscope_status"] == "completed"
+        # the constraint values reach Optuna as the runner would have told them
+        constraints = [v for k, v in trials[done.number].system_attrs.items() if "constraint" in k]
+        assert len(constraints) == len(spec.constraints) > 0
+        assert trials[left.number].state == OptunaState.FAIL
+        assert _trial(store.sessions, done_id).state == TrialState.COMPLETE
+        assert _trial(store.sessions, left_id).state == TrialState.CANCELLED
+    finally:
+        storage.engine.dispose()
 
 
 # ---- replays are no-ops -------------------------------------------------------------------
