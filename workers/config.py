@@ -12,10 +12,20 @@ from dataclasses import dataclass
 from typing import Literal, Self
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails
 
 __all__ = [
     "BLOCK_PRESETS",
+    "CAUSAL_ONLY_TASKS",
     "BlockPreset",
     "CheckpointConfig",
     "MetricPoint",
@@ -30,6 +40,19 @@ __all__ = [
 ]
 
 RegularizerKind = Literal["none", "spectral_variance", "locater"]
+
+# Tasks whose targets are their own inputs at later positions (workers/tasks.py): lm predicts
+# y[t] = x[t + 1] at every position; sort and copy predict each answer symbol b_i from the
+# position before it, with b_i itself in the input. Without the causal mask every query would
+# see the token it must predict, so `model.causal: false` is refused for them
+# (`TrialConfig._mask_hides_the_targets`). associative_recall is not here: its one target is
+# at the last position, with no later input, and the value it recalls sits earlier in the
+# sequence, where the causal model sees it too.
+CAUSAL_ONLY_TASKS: dict[str, str] = {
+    "lm": "its targets are its inputs shifted by one (y[t] = x[t + 1])",
+    "sort": "each answer symbol is the next input token (y[t] = x[t + 1] after the separator)",
+    "copy": "each answer symbol is the next input token (y[t] = x[t + 1] after the separator)",
+}
 
 
 class TaskConfig(pydantic.BaseModel):
@@ -156,7 +179,8 @@ class ModelConfig(BaseModel):
             "Causal mask on attention (a decoder). false: bidirectional attention, every "
             "query sees every key, as in Dong et al.'s theorem and the authors' BERT; only "
             "sound for a task whose targets are not among its inputs at later positions "
-            "(associative recall: the one target is at the last position). Probes then "
+            "(associative recall: the one target is at the last position), and refused for "
+            "lm, sort and copy, where every query would see its answer. Probes then "
             "normalise by n_i = S keys (docs/metrics.md sections 1, 7)."
         ),
     )
@@ -272,6 +296,28 @@ class TrialConfig(BaseModel):
                 f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds steps ({self.steps})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _mask_hides_the_targets(self) -> TrialConfig:
+        """Bidirectional attention on a task whose targets are later inputs leaks the answer:
+        refused, with the error located at model.causal (a ValidationError raised here keeps
+        its own location, so a study spec reports base.model.causal)."""
+        why = CAUSAL_ONLY_TASKS.get(self.task.kind)
+        if why is None or self.model.causal:
+            return self
+        msg = (
+            f"model.causal: false is refused for task.kind {self.task.kind!r}: {why}, so "
+            "bidirectional attention would see the token each position must predict; use "
+            "model.causal: true, or a task whose targets are not later inputs "
+            "(associative_recall)"
+        )
+        detail = InitErrorDetails(
+            type="value_error",
+            loc=("model", "causal"),
+            input=self.model.causal,
+            ctx={"error": ValueError(msg)},
+        )
+        raise ValidationError.from_exception_data(type(self).__name__, [detail])
 
     @field_validator("steps", mode="before")
     @classmethod

@@ -1236,3 +1236,30 @@ def test_data_dir_outside_the_data_root_is_a_422_that_reveals_nothing(
                 assert r.status_code == 201, (good, r.text)
         finally:
             engine.dispose()
+
+
+# --- model.causal: false where the targets are later inputs ----------------------------------
+
+
+def test_bidirectional_language_modelling_is_a_422_naming_model_causal(
+    app_client: TestClient, engine: Engine
+) -> None:
+    """Nothing refused `model.causal: false` on the lm task, whose targets are its inputs
+    shifted by one: bidirectional attention sees each answer. Now a 422 naming model.causal
+    and the task, in the base and as a searched value, and nothing is stored."""
+    lm = {"kind": "lm", "data_dir": "wikitext-2", "tokenizer": "char", "vocab_cap": 256}
+    in_base = {**VALID, "base": {"task": lm, "model": {"causal": False}}}
+    out = check_rejected(app_client, in_base, JSON)
+    assert out["status"] == 422, out
+    assert [e["field"] for e in out["errors"]] == ["base.model.causal"], out
+    assert names_field(out, "model.causal") and "'lm'" in out["errors"][0]["message"], out
+    searched = {
+        **VALID,
+        "base": {"task": lm},
+        "search_space": {"model.causal": {"type": "categorical", "choices": [True, False]}},
+    }
+    out = check_rejected(app_client, searched, JSON)
+    assert out["status"] == 422, out
+    assert [e["field"] for e in out["errors"]] == ["search_space.model.causal"], out
+    assert "'lm'" in out["errors"][0]["message"], out
+    assert n_studies(engine) == 0
