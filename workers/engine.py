@@ -23,6 +23,7 @@ checkpointed after a bad step; a fused runner freezes the member at once).
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import time
@@ -246,7 +247,14 @@ def _save_checkpoint(mem: Member) -> None:
     tmp = path.with_suffix(".tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            try:
+                torch.save(state, f)
+            except RuntimeError as e:
+                # torch's zip writer reports a short write (a full disk, a file-size limit)
+                # as RuntimeError("... unexpected pos ..."): a storage failure like any other
+                if "unexpected pos" not in str(e):
+                    raise
+                raise OSError(errno.ENOSPC, f"checkpoint write to {tmp} failed: {e}") from e
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -7,6 +7,9 @@ where its own penalty would overflow."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +283,44 @@ def test_a_members_failing_storage_fails_it_alone_and_the_others_train_on(tmp_pa
     alone = tiny(checkpoint={"dir": str(tmp_path / "alone")})
     with pytest.raises(IsADirectoryError):  # without on_error (run_trial) it propagates
         run_trial(alone, _BreakStorageAt(tmp_path / "alone", 5))
+
+
+_FULL_DISK = """
+import json, resource, signal, sys
+from tests.workers.test_trial import Recorder, tiny
+from workers.engine import Engine, autocast_for, new_member, resolve_device
+from workers.fused import FusedRunner
+
+cfgs = [tiny(seed=0, checkpoint={"dir": sys.argv[1]}), tiny(seed=1)]  # only m0 writes files
+device = resolve_device(cfgs[0])
+ctx = autocast_for(cfgs[0], device)
+failed, finished = [], []
+engine = Engine(FusedRunner(2, device, ctx), device, ctx, on_finish=finished.append,
+                on_error=lambda mem, e: failed.append([mem.tag, type(e).__name__, str(e)]))
+for i, c in enumerate(cfgs):
+    engine.admit(new_member(c, Recorder(), device, tag=i))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+engine.run()
+print(json.dumps({"failed": failed, "finished": [[m.tag, m.summary.status] for m in finished]}))
+"""
+
+
+def test_a_checkpoint_that_hits_a_full_disk_fails_its_member_alone(tmp_path: Path) -> None:
+    """A real short write, in a process of its own with a file-size limit: torch's writer
+    reports it as a RuntimeError, not an OSError, and before the fix that error ended the
+    whole worker instead of its member."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path / "m0")],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [f[:2] for f in got["failed"]] == [[0, "OSError"]], got
+    assert "checkpoint write" in got["failed"][0][2]
+    assert got["finished"] == [[1, "completed"]]
+    assert not (tmp_path / "m0" / "checkpoint.tmp").exists()  # no stray file left behind
