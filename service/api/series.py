@@ -121,13 +121,7 @@ def get_series(
         start=start,
     )
     if grouped is not None:  # PostgreSQL wrote the series (same shape, same order)
-        n, series_json, nxt = grouped
-        more = "null" if nxt is None else json.dumps(encode_cursor(nxt))
-        body = (
-            f'{{"trial_id":{trial_id},"rows":{n},"truncated":{"true" if nxt else "false"},'
-            f'"next_cursor":{more},"series":{series_json}}}'
-        )
-        return Response(body, media_type="application/json")
+        return _json_page(trial_id, *grouped)
     rows = queries.metric_series(
         session,
         trial_id,
@@ -137,15 +131,31 @@ def get_series(
         limit=limit + 1,
         start=start,
     )
+    return _page(trial_id, rows, limit)
+
+
+def _json_page(trial_id: int, n: int, series_json: str, nxt: queries.MetricKey | None) -> Response:
+    """The page around the series' JSON that PostgreSQL wrote."""
+    more = "null" if nxt is None else json.dumps(encode_cursor(nxt))
+    body = (
+        f'{{"trial_id":{trial_id},"rows":{n},"truncated":{"true" if nxt else "false"},'
+        f'"next_cursor":{more},"series":{series_json}}}'
+    )
+    return Response(body, media_type="application/json")
+
+
+def _page(
+    trial_id: int, rows: Sequence[Row[str, int, int, int, float | None]], limit: int
+) -> TrialSeriesOut:
+    """`limit` of the rows (asked for one more: it says where the next page starts), grouped."""
     next_cursor = None
     if len(rows) > limit:
         r = rows[limit]
         next_cursor = encode_cursor((r.name, r.layer, r.head, r.step))
-    series = _group(rows[:limit])
     return TrialSeriesOut(
         trial_id=trial_id,
         rows=min(len(rows), limit),
         truncated=next_cursor is not None,
         next_cursor=next_cursor,
-        series=series,
+        series=_group(rows[:limit]),
     )

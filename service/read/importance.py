@@ -135,6 +135,25 @@ def _direction(study: Study, target: str, direction: str | None) -> str:
     return "minimize"
 
 
+def _points(
+    session: Session, study: Study, target: str, dists: dict[str, Any]
+) -> list[tuple[dict[str, Any], float]]:
+    """(params, target value) of each COMPLETE trial by number that has a value for `target`
+    and whose parameters all lie in today's search space."""
+    rows = session.scalars(
+        select(Trial)
+        .where(Trial.study_id == study.id, Trial.state == TrialState.COMPLETE)
+        .order_by(Trial.number)
+    ).all()
+    points = []
+    for t in rows:
+        y = _target_value(t, target)
+        params = {k: t.params.get(k) for k in dists}
+        if y is not None and all(_inside(dists[k], v) for k, v in params.items()):
+            points.append((params, y))
+    return points
+
+
 def importance(
     session: Session,
     study: Study,
@@ -159,17 +178,7 @@ def importance(
     dists = _distributions(study)
     if not dists:
         raise ImportanceError("target", "the study's search space has no parameter to rank")
-    rows = session.scalars(
-        select(Trial)
-        .where(Trial.study_id == study.id, Trial.state == TrialState.COMPLETE)
-        .order_by(Trial.number)
-    ).all()
-    points = []
-    for t in rows:
-        y = _target_value(t, target)
-        params = {k: t.params.get(k) for k in dists}
-        if y is not None and all(_inside(dists[k], v) for k, v in params.items()):
-            points.append((params, y))
+    points = _points(session, study, target, dists)
     if len(points) < MIN_TRIALS:
         raise TooFewTrials(target, len(points))
     direction = _direction(study, target, direction)

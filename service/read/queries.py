@@ -304,6 +304,19 @@ def _count_true(col: Any) -> Any:
     return func.sum(case((col.is_(True), 1), else_=0))
 
 
+def _best_trial(s: Session, study: Study) -> Trial | None:
+    """The COMPLETE trial with the best value, in the first objective's direction."""
+    directions = [o["direction"] for o in study.spec.get("objectives", [{}])]
+    best_q = select(Trial).where(
+        Trial.study_id == study.id,
+        Trial.state == TrialState.COMPLETE,
+        Trial.value.is_not(None),
+        Trial.feasible.is_not(False),  # the same "best" as /best: feasible trials only
+    )
+    best_col = Trial.value.desc() if directions[:1] == ["maximize"] else Trial.value.asc()
+    return s.scalars(best_q.order_by(best_col).limit(1)).first()
+
+
 def study_summary(s: Session, study: Study) -> dict[str, Any]:
     """Counts by state, collapse rates, best value, progress and a naive ETA."""
     # One pass over the study's trials: per state, the count and the sums the rates and
@@ -334,15 +347,7 @@ def study_summary(s: Session, study: Study) -> dict[str, Any]:
         sum(int(row[4] or 0) for row in finished),
         sum(float(row[5] or 0.0) for row in finished) / n_timed if n_timed else None,
     )
-    directions = [o["direction"] for o in study.spec.get("objectives", [{}])]
-    best_q = select(Trial).where(
-        Trial.study_id == study.id,
-        Trial.state == TrialState.COMPLETE,
-        Trial.value.is_not(None),
-        Trial.feasible.is_not(False),  # the same "best" as /best: feasible trials only
-    )
-    best_col = Trial.value.desc() if directions[:1] == ["maximize"] else Trial.value.asc()
-    best = s.scalars(best_q.order_by(best_col).limit(1)).first()
+    best = _best_trial(s, study)
     done = sum(by_state[k] for k in by_state if k not in OPEN_TRIAL_STATES)
     eta = None
     parallel = int(study.spec.get("parallelism", 1))

@@ -220,23 +220,11 @@ _JSON_COLUMNS = ("values",)
 _loads = json.JSONDecoder().decode
 
 
-def trial_rows(
-    session: Session,
-    study: Study,
-    fields: Iterable[str | None] = (),
-    states: tuple[str, ...] | None = None,
-    *,
-    objectives: bool = True,
-) -> list[Any]:
-    """The study's trials by number, as plain rows holding only what a plot reads.
-
-    Each row has the attributes that `collapse_class` (when `fields` names collapse_class),
-    `field_value` (for the `fields` named: params.<path>, trial columns, summary metrics) and
-    `values_of` (unless `objectives` is false) read: `params` whole (a few keys), and of the
-    summary JSON only `status` and the metrics named, extracted by the database. At 10,000
-    trials this is several times faster than loading ORM objects with every column and the
-    whole summary (its per-evaluation lists) of each trial.
-    """
+def _row_columns(
+    fields: Iterable[str | None], objectives: bool
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """What `trial_rows` selects for `fields`: trial columns by name, JSON columns read
+    whole (as text), and the summary keys extracted from the summary JSON."""
     cols: dict[str, Any] = {name: getattr(Trial, name) for name in _ROW_COLUMNS}
     text_cols = list(_JSON_COLUMNS if objectives else ())
     summary_keys: list[str] = []
@@ -254,6 +242,27 @@ def trial_rows(
             cols[name] = getattr(Trial, name)
         elif name not in summary_keys:
             summary_keys.append(name)
+    return cols, text_cols, summary_keys
+
+
+def trial_rows(
+    session: Session,
+    study: Study,
+    fields: Iterable[str | None] = (),
+    states: tuple[str, ...] | None = None,
+    *,
+    objectives: bool = True,
+) -> list[Any]:
+    """The study's trials by number, as plain rows holding only what a plot reads.
+
+    Each row has the attributes that `collapse_class` (when `fields` names collapse_class),
+    `field_value` (for the `fields` named: params.<path>, trial columns, summary metrics) and
+    `values_of` (unless `objectives` is false) read: `params` whole (a few keys), and of the
+    summary JSON only `status` and the metrics named, extracted by the database. At 10,000
+    trials this is several times faster than loading ORM objects with every column and the
+    whole summary (its per-evaluation lists) of each trial.
+    """
+    cols, text_cols, summary_keys = _row_columns(fields, objectives)
     # Summary elements as JSON text ("null" where missing): numbers keep int or float; the
     # status (a string) as text.
     q = select(
