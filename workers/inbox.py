@@ -31,17 +31,16 @@ import ray
 from workers.config import MetricPoint
 from workers.messages import Assignment, Batch, End, Point, Report, Started
 
-__all__ = ["ACK_TIMEOUT_S", "JOURNAL", "InboxReporter", "TrialInbox"]
+__all__ = ["ACK_TIMEOUT_S", "JOURNAL", "InboxReporter", "TrialInbox", "TrialInboxActor"]
 
 JOURNAL = "reports.jsonl"
 ACK_TIMEOUT_S = 120.0  # how long a finished worker waits for its last messages to arrive
 
 
-@ray.remote(num_cpus=0)
 class TrialInbox:
     """Buffers starts, reports and members' ends until the runner's stream takes them; holds
-    stop decisions and the trials assigned to each slot worker. An async actor: its methods
-    never block each other."""
+    stop decisions and the trials assigned to each slot worker. Runs as an async actor
+    (`TrialInboxActor`): its methods never block each other."""
 
     def __init__(self) -> None:
         self._batch = Batch()
@@ -134,6 +133,10 @@ class TrialInbox:
     async def close(self) -> None:
         self._closed = True
         self._event.set()
+
+
+# The runner's actor (the class stays plain, so a test can subclass it to hold messages back).
+TrialInboxActor = ray.remote(num_cpus=0)(TrialInbox)
 
 
 class InboxReporter:

@@ -19,6 +19,7 @@ worker the host's memory monitor kills is shrunk by the runner the same way.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import secrets
 import socket
 import time
@@ -278,11 +279,25 @@ class SlotWorker:
 
     def _done(self) -> WorkerDone:
         """Wait until the inbox holds every report and end this worker sent, then say so."""
+        self._settle()
+        steps = self.steps + (self.engine.steps_run if self.engine is not None else 0)
+        return WorkerDone(self.worker, self.node, self.admitted, steps)
+
+    def _settle(self) -> None:
         for reporter in self.all_reporters:
             reporter.flush()
         wait_acks(self._sent, ACK_TIMEOUT_S)
-        steps = self.steps + (self.engine.steps_run if self.engine is not None else 0)
-        return WorkerDone(self.worker, self.node, self.admitted, steps)
+
+    def run_settled(self, first: list[Assignment]) -> WorkerDone:
+        """`run`, and on an error too, the task ends only after the inbox holds every message
+        sent before it: the runner handles a worker's end after its last message, so a member
+        that stopped before the error is recorded, never relaunched or failed."""
+        try:
+            return self.run(first)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the inbox may be what failed
+                self._settle()
+            raise
 
 
 # What a failed host allocation says (torch's CPU allocator raises a plain RuntimeError).
@@ -306,4 +321,4 @@ def run_slot_worker_task(
     the inbox. Members whose checkpoint directory records a stop are finished without
     training (a relaunch, a runner restart)."""
     check_gpus(ray.get_gpu_ids(), node_name())
-    return SlotWorker(worker, capacity, inbox).run(first)
+    return SlotWorker(worker, capacity, inbox).run_settled(first)

@@ -17,7 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.spec import StudySpec
-from workers.inbox import TrialInbox
+from workers.inbox import TrialInboxActor
 from workers.messages import Assignment, Batch, WorkerDone
 from workers.slot_worker import run_slot_worker_task
 
@@ -43,7 +43,8 @@ class RayPool:
         self.spec = spec
         # The inbox lives on the runner's node: it shares the runner's fate, never a worker's.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.inbox = TrialInbox.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
+        inbox: Any = TrialInboxActor.options(scheduling_strategy=here).remote()
+        self.inbox = inbox
         # One streaming call for the study's whole life: a batch whenever workers said anything.
         self._stream = self.inbox.stream.options(num_returns="streaming").remote()
         self._taken = 0  # batches taken from the stream

@@ -4,6 +4,7 @@ storage. Each of these failed before the fix it names."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -33,7 +34,10 @@ from service.store.session import make_engine, make_sessionmaker
 from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
 from tests.service.test_e2e_ray import wait_for
 from tests.workers.test_trial import TINY
+from workers.config import TrialSummary
+from workers.inbox import InboxReporter, TrialInbox
 from workers.messages import Assignment, HandedBack, WorkerDone
+from workers.slot_worker import SlotWorker
 
 pytestmark = pytest.mark.cluster
 
@@ -337,6 +341,68 @@ def test_hand_backs_held_back_past_their_workers_end_place_nothing_twice(
         assert placements.calls == before  # nothing placed a second time
         assert [r.status for r in recs] == [Status.PLACED, Status.PLACED]
         assert {r.worker for r in recs} == {w1}
+        pool.close_inbox()
+    finally:
+        ray.shutdown()
+
+
+def _fence_actors() -> tuple[Any, Any]:
+    """A slow inbox and a worker that stops a member and then breaks; made in a function so
+    that Ray ships them by value (the test module is not importable in a Ray worker)."""
+
+    class SlowInbox(TrialInbox):
+        """The real inbox, with each member's end held back 2 s on its way in."""
+
+        async def ended(self, msg: Any) -> None:
+            await asyncio.sleep(2.0)
+            await super().ended(msg)
+
+    class StoppedMember:
+        tag = 7
+        summary = TrialSummary(status="completed", steps_done=40)
+
+    class StopsThenBreaks(SlotWorker):
+        """One member stops (its end is sent), then an error ends the whole task (as a
+        step error with several members does)."""
+
+        def run(self, first: list[Assignment]) -> WorkerDone:
+            self.started[7] = time.time()
+            self.reporters[7] = InboxReporter(self.inbox, 7)
+            self._finished(StoppedMember())
+            raise RuntimeError("a fused step failed with several members")
+
+    def stop_then_break(inbox: Any) -> WorkerDone:
+        return StopsThenBreaks("w0", 2, inbox).run_settled([])
+
+    return ray.remote(num_cpus=0)(SlowInbox), ray.remote(num_cpus=0)(stop_then_break)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_worker_that_fails_ends_only_after_the_inbox_has_its_last_messages(
+    ray_head: LocalRayHead, db_url: str
+) -> None:
+    """The fence holds on the error path too: a member that stopped before its worker's task
+    failed is in the batch the runner reads with that task's end. Before, the error ended the
+    task at once, the runner saw the end first, and the member (whose result was still on its
+    way) was relaunched or, out of retries, FAILED although it had completed."""
+    ray.init(address=f"127.0.0.1:{ray_head.gcs_port}", log_to_driver=False)
+    try:
+        spec = StudySpec.model_validate(
+            {"name": "fence", "base": TINY, "budget": {"n_trials": 1}, "fuse": 2}
+        )
+        pool = RayPool(spec)
+        slow_inbox, stop_then_break = _fence_actors()
+        pool.inbox = slow_inbox.remote()
+        pool._stream = pool.inbox.stream.options(num_returns="streaming").remote()
+        ref = stop_then_break.remote(pool.inbox)
+        pool.refs[ref] = "w0"
+        ends: list[Any] = []
+        ended: list[Any] = []
+        while not ended:
+            batch, ended = pool.wait(1.0)
+            ends += batch.ends
+        assert ended[0].error is not None and "several members" in ended[0].error
+        assert [(type(m).__name__, m.trial) for m in ends] == [("Stopped", 7)]
         pool.close_inbox()
     finally:
         ray.shutdown()
