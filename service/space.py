@@ -62,10 +62,12 @@ SPREAD = 64
 MAX_POINT_CHECKS = 40_000
 MAX_COMBO_CHECKS = 40_000
 # Fields the trial config (workers/config.py) validates together, one group per validator:
-# ModelConfig._heads_divide_width, TrialConfig._warmup_fits, TaskConfig._check_layout.
+# ModelConfig._heads_divide_width, TrialConfig._warmup_fits, TaskConfig._check_layout,
+# TrialConfig._mask_hides_the_targets.
 INTERACTING: tuple[tuple[str, ...], ...] = (
     ("model.d_model", "model.n_heads"),
     ("steps", "optim.warmup_steps"),
+    ("task.kind", "model.causal"),
     (
         "task.kind",
         "task.data_dir",

@@ -85,6 +85,20 @@ def test_failing_points_are_named_with_their_values(
     assert value in e.value.message
 
 
+def test_a_task_and_a_mask_that_only_fail_together_are_refused() -> None:
+    """Each value is fine alone on an associative-recall base; copy without the causal mask
+    lets attention see its targets (workers/config.py), so the pair is refused at POST."""
+    space = {
+        "task.kind": {"type": "categorical", "choices": ["associative_recall", "copy"]},
+        "model.causal": {"type": "categorical", "choices": [True, False]},
+    }
+    base = {"task": {"kind": "associative_recall", "seq_len": 20}}
+    with pytest.raises(SpecError) as e:
+        parse(space, base=base)
+    assert e.value.field in ("search_space.model.causal", "search_space.task.kind")
+    assert "model.causal=False" in e.value.message and "'copy'" in e.value.message
+
+
 ACCEPTED = [
     {
         "model.d_model": {"type": "categorical", "choices": [32, 64, 96]},
