@@ -45,6 +45,7 @@ def test_two_studies_never_exceed_the_cpus(app_client: TestClient, db_url: str) 
     spec = small_quickstart(n_trials=4, steps=300)
     spec["parallelism"] = 2
     spec["resources"] = {"cpus": 1, "gpus": 0}
+    spec["fuse"] = 1  # one trial per worker task, so trials in flight = CPUs held
     ids = []
     for name in ("cpu-a", "cpu-b"):
         r = client.post("/v1/studies", json={**spec, "name": name})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -161,6 +161,7 @@ def test_a_killed_slot_worker_revives_no_pruned_trial_and_asks_only_for_free_slo
     most_open = 0
     pruned_before: dict[int, tuple[str, int, str]] = {}
     victims: list[int] = []
+    killed_at = 0.0
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
         items = client.get(f"/v1/studies/{sid}/trials", params={"limit": 100}).json()["items"]
@@ -173,6 +174,7 @@ def test_a_killed_slot_worker_revives_no_pruned_trial_and_asks_only_for_free_slo
                     t["number"]: (t["state"], t["last_step"], t["finished_at"]) for t in pruned
                 }
                 os.kill(pid, signal.SIGKILL)
+                killed_at = time.time()
                 victims = [t["number"] for t in training]
         if client.get(f"/v1/studies/{sid}").json()["status"] in ("COMPLETED", "FAILED"):
             break
@@ -188,5 +190,13 @@ def test_a_killed_slot_worker_revives_no_pruned_trial_and_asks_only_for_free_slo
         assert now[n] == was, (n, was, now[n])
     by_number = {t.number: t for t in trials}
     for n in victims:
-        assert by_number[n].state in ("COMPLETE", "PRUNED"), (n, by_number[n].error)
-        assert by_number[n].attempts >= 2, (n, by_number[n].attempts)
+        t = by_number[n]
+        assert t.state in ("COMPLETE", "PRUNED"), (n, t.error)
+        # The API shows a trial RUNNING until its end is stored, and the median pruner stops
+        # trials often: a victim whose member had already stopped when the kill landed keeps
+        # its one attempt, and its (worker-clock) finish is before the kill. Every other one
+        # was interrupted and resumed.
+        fin = t.finished_at if t.finished_at.tzinfo else t.finished_at.replace(tzinfo=UTC)
+        stopped_first = t.attempts == 1 and fin.timestamp() <= killed_at + 0.5
+        assert t.attempts >= 2 or stopped_first, (n, t.attempts, t.finished_at, killed_at)
+    assert any(by_number[n].attempts >= 2 for n in victims), "the kill interrupted nothing"
