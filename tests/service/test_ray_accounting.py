@@ -92,16 +92,15 @@ def test_internal_calls_stay_about_one_per_evaluation(
     assert final["status"] == "COMPLETED", final["error"]
     evaluations = spec["base"]["steps"] // spec["base"]["eval_every"]
 
-    # The state API hears of tasks a little later: read until all trials show and the count
-    # stops changing. (An actor's last second of task events can die with the finished job,
-    # so the per-evaluation calls are bounded from above, the claim under test.)
-    deadline, last = time.monotonic() + 60, -1
+    # The state API hears of tasks a little later: read until the count stops changing. (An
+    # actor's last second of task events can die with the finished job, so all 8 ends need
+    # not show: the per-evaluation calls are bounded from above, the claim under test.)
+    deadline, last = time.monotonic() + 30, -1
     while True:
         tasks = job_tasks(ray_head.dashboard_url, job_id)
         names = [str(t.name) for t in tasks]
         workers = sorted(n for n in names if n.startswith(f"study-{sid}/worker-"))
-        ends = names.count("TrialInbox.ended")
-        if (ends >= 8 and len(names) == last) or time.monotonic() > deadline:
+        if (workers and len(names) == last) or time.monotonic() > deadline:
             break
         last = len(names)
         time.sleep(2.0)
