@@ -18,7 +18,7 @@ from service.store import Store
 from service.store.models import StudyStatus, TrialState, utcnow
 from service.store.optuna import optuna_storage
 
-__all__ = ["launch_study", "reconcile", "runner_env"]
+__all__ = ["close_leftovers", "launch_study", "reconcile", "runner_env"]
 
 log = logging.getLogger(__name__)
 ALIVE = ("PENDING", "RUNNING")
@@ -80,12 +80,14 @@ def _maybe_accepted(e: BaseException) -> bool:
 def reconcile(
     store: Store, launcher: JobLauncher, settings: Settings, grace_s: float = 15.0
 ) -> int:
-    """Launch PENDING studies and relaunch RUNNING ones whose Ray job is gone or dead.
+    """Launch PENDING studies and relaunch RUNNING ones whose Ray job is gone or dead; close
+    the trials that ended studies left open (`close_leftovers`).
 
     A study whose runner job has died `settings.max_job_attempts` times is marked FAILED
     with the last job status instead of being resubmitted forever. Returns how many jobs
     were submitted. Called periodically by the service.
     """
+    close_leftovers(store, settings)
     rows = store.studies.live()
     if not rows:
         return 0
@@ -140,3 +142,24 @@ def give_up(
         store.trials.finish_open(study_id, TrialState.FAILED, "study failed: " + reason, storage)
     finally:
         storage.engine.dispose()
+
+
+def close_leftovers(store: Store, settings: Settings) -> int:
+    """End the QUEUED/RUNNING trials (ours and Optuna's) of studies that are FAILED or
+    CANCELLED: a runner that failed because the database did could not end them itself, and
+    a cancel can be cut off half way. Returns how many studies it closed."""
+    leftovers = store.studies.ended_with_open_trials()
+    if not leftovers:
+        return 0
+    storage = optuna_storage(settings.resolved_database_url())
+    try:
+        for study_id, status, error in leftovers:
+            if status == StudyStatus.CANCELLED:
+                state, reason = TrialState.CANCELLED, "study cancelled"
+            else:
+                state, reason = TrialState.FAILED, f"study failed: {(error or '').strip()[:200]}"
+            n = store.trials.finish_open(study_id, state, reason, storage)
+            log.warning("study %s is %s: closed %d trials it left open", study_id, status, n)
+    finally:
+        storage.engine.dispose()
+    return len(leftovers)

@@ -17,7 +17,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.spec import StudySpec
-from service.store.models import Study, StudyStatus, Trial, TrialState, utcnow
+from service.store.models import (
+    OPEN_TRIAL_STATES,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialState,
+    utcnow,
+)
 from service.store.optuna import optuna_study_name
 from service.store.session import session_scope, with_retry
 
@@ -166,6 +173,23 @@ class StudyRows:
                     Study.id, Study.status, Study.ray_job_id, Study.created_at, Study.job_attempts
                 ).where(Study.status.in_(LIVE))
             ).all()
+
+    def ended_with_open_trials(self) -> list[tuple[int, str, str | None]]:
+        """(id, status, error) of FAILED or CANCELLED studies that still have QUEUED or
+        RUNNING trials: a runner that failed because the database did, a cancel cut off half
+        way. The reconciler closes their trials."""
+        with session_scope(self.sessions) as s:
+            rows = s.execute(
+                select(Study.id, Study.status, Study.error)
+                .where(
+                    Study.status.in_((StudyStatus.FAILED, StudyStatus.CANCELLED)),
+                    select(Trial.id)
+                    .where(Trial.study_id == Study.id, Trial.state.in_(OPEN_TRIAL_STATES))
+                    .exists(),
+                )
+                .order_by(Study.id)
+            ).all()
+        return [(int(i), str(st), err) for i, st, err in rows]
 
     # ---- why a study waits ------------------------------------------------------------
 

@@ -128,6 +128,43 @@ def test_a_failed_runner_ends_its_open_trials(
 # ---- item 5: a spec that asks for CUDA without GPUs ----------------------------------------
 
 
+def test_the_reconciler_closes_what_a_failed_or_cut_off_study_left_open(
+    db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
+) -> None:
+    """A runner that failed because the database did cannot end its trials; a cancel cut off
+    half way leaves them open too. Before: the reconciler looked at live studies only, so
+    those rows (and Optuna's RUNNING trials) stayed open for ever."""
+    settings = Settings(database_url=db_url, ray_address=ray_head.dashboard_url, home=tmp_path)
+    spec = StudySpec.model_validate(fault_spec(n_trials=4, steps=20))
+    failed, _ = store.studies.create(spec)
+    cut_off, _ = store.studies.create(spec)
+    storage = optuna_storage(db_url)
+    try:
+        study = optuna.create_study(storage=storage, study_name=optuna_study_name(failed.id))
+        for n in range(2):
+            study.ask()
+            store.trials.insert_queued(failed.id, n, {}, 0)
+            store.trials.insert_queued(cut_off.id, n, {}, 0)
+    finally:
+        storage.engine.dispose()
+    store.studies.set_status(failed.id, StudyStatus.RUNNING)
+    assert store.studies.fail_live(failed.id, "OperationalError: the database went away")
+    store.studies.cancel(cut_off.id)  # the status only, as a cancel that died after it
+    assert len(_open_rows(store, failed.id)) == 2 and len(_open_rows(store, cut_off.id)) == 2
+    reconcile(store, JobLauncher(ray_head.dashboard_url), settings)
+    assert _open_rows(store, failed.id) == [] and _open_rows(store, cut_off.id) == []
+    assert _running_optuna(db_url, failed.id) == []
+    with store.sessions() as s:
+        rows = list(s.scalars(select(Trial).where(Trial.study_id.in_((failed.id, cut_off.id)))))
+    by_study = {(t.study_id, t.state, t.error) for t in rows}
+    assert by_study == {
+        (failed.id, "FAILED", "study failed: OperationalError: the database went away"),
+        (cut_off.id, "CANCELLED", "study cancelled"),
+    }
+    assert store.studies.status(failed.id) == StudyStatus.FAILED  # statuses stay as they were
+    assert store.studies.status(cut_off.id) == StudyStatus.CANCELLED
+
+
 def test_cuda_without_gpus_is_refused_at_post(client: TestClient) -> None:
     """Before: accepted; every trial's worker failed before it started, and a fused study
     relaunched its workers for ever. Now a 422 names the field (a node that was given GPUs
