@@ -6,6 +6,7 @@ created instead of leaving it RUNNING for ever."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from service.runner.reports import Reports
 from service.runner.scheduler import Scheduler
 from service.spec import StudySpec
 from service.store import migrate
-from service.store.models import Metric, Trial, TrialState
+from service.store.models import Metric, Study, StudyStatus, Trial, TrialState, utcnow
 from service.store.session import make_engine, make_sessionmaker, session_scope
 from service.store.studies import StudyRows
 from tests.service.test_e2e_ray import small_quickstart
@@ -157,3 +158,22 @@ def test_a_slot_member_the_worker_could_not_train_fails_with_its_reason(
     assert row.state == TrialState.FAILED and row.error == reason
     assert runner.storage.get_trial(rec.trial._trial_id).state == OptunaState.FAIL
     assert rec.number not in runner.scheduler.records and not runner.scheduler.finishing()
+
+
+def test_the_time_budget_counts_from_the_studys_first_start(db_url: str, tmp_path: Path) -> None:
+    """Issue 27 (10d): `budget.timeout_s` counted from each runner's start, so a study whose
+    runner was relaunched got its whole time budget again. A relaunched runner of a study
+    that started an hour ago with a 60 s budget asks nothing; one that started now asks."""
+    runner = _runner(db_url, tmp_path, budget={"n_trials": 8, "timeout_s": 60})
+    runner.store.studies.set_status(runner.study_id, StudyStatus.RUNNING)  # sets started_at
+    assert runner._schedule(0, runner._started_at()) > 0  # within its budget: it asks
+    with session_scope(runner.store.sessions) as s:
+        s.execute(
+            update(Study)
+            .where(Study.id == runner.study_id)
+            .values(started_at=utcnow() - timedelta(hours=1))
+        )
+    later = StudyRunner(runner.study_id, runner.settings, make_engine(db_url))  # a relaunch
+    later.scheduler = Scheduler(later.spec, later.study_id, NoRay())
+    asked = later.search.asked()
+    assert later._schedule(asked, later._started_at()) == asked  # out of time: nothing more
