@@ -153,9 +153,9 @@ class Harness:
     def run_qkscope(self, producers: int, n_reports: int, layers: int, heads: int) -> Run:
         """Producers report through the inbox; this thread plays the runner's loop."""
         from service.runner.loop import POLL_S
-        from workers.inbox import TrialInbox
+        from workers.inbox import TrialInboxActor
 
-        inbox = TrialInbox.remote()  # type: ignore[attr-defined]
+        inbox = TrialInboxActor.remote()  # type: ignore[attr-defined]
         numbers = [self.new_trial()[0] for _ in range(producers)]
         before = self.metric_count()
         t0 = time.perf_counter()

@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from workers.inbox import TrialInbox
+from workers.inbox import TrialInboxActor
 from workers.messages import Assignment
 from workers.slot_worker import check_gpus, run_slot_worker_task
 from workers.trial import TrialConfig
@@ -35,7 +35,7 @@ def test_slot_worker_on_a_gpu_node_without_cuda_fails_loudly() -> None:
     `max_retries`: tests/service/runner/test_scheduler.py)."""
     ray.init(address="local", num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        inbox = TrialInbox.remote()  # type: ignore[attr-defined]
+        inbox = TrialInboxActor.remote()  # type: ignore[attr-defined]
         config = TrialConfig.model_validate({"steps": 2, "eval_every": 1}).model_dump(
             mode="json", by_alias=True
         )

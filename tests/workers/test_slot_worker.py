@@ -22,7 +22,7 @@ from workers.fusion_plan import (
     step_flops,
     vocab_bound,
 )
-from workers.inbox import TrialInbox
+from workers.inbox import TrialInboxActor
 from workers.messages import Assignment, Failed, HandedBack
 from workers.slot_worker import SlotWorker
 from workers.tasks import build_task
@@ -60,7 +60,7 @@ def test_slots_fit_the_free_memory() -> None:
 def test_out_of_memory_hands_every_member_back_with_one_slot_fewer(tmp_path: Any) -> None:
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        inbox = TrialInbox.remote()  # type: ignore[attr-defined]
+        inbox = TrialInboxActor.remote()  # type: ignore[attr-defined]
         items = [
             Assignment(
                 s,
@@ -117,7 +117,7 @@ def test_out_of_memory_in_the_loop_hands_back_and_alone_fails(
     monkeypatch.setattr(Engine, "iterate", iterate_then_oom)
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        inbox = TrialInbox.remote()  # type: ignore[attr-defined]
+        inbox = TrialInboxActor.remote()  # type: ignore[attr-defined]
 
         def item(s: int) -> Assignment:
             cfg = tiny(seed=s, checkpoint={"dir": str(tmp_path / f"t{s}")})
