@@ -46,6 +46,9 @@ SEED: list[tuple[Any, ...]] = [
 ]
 
 
+STOP_REASON = "min_norm_entropy_ever 0.0048 < 0.1 at step 50"
+
+
 def spec(name: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "budget": {"n_trials": 20}, "search_space": SPACE, **extra}
 
@@ -80,6 +83,7 @@ def seeded(qk: Client, engine: Engine) -> dict[str, Any]:
                     min_norm_entropy=mne,
                     trapped=trapped,
                     penalty_version=1 if n == 0 else 2,
+                    stop_reason=STOP_REASON if state == "PRUNED" else None,
                     started_at=utcnow(),
                 )
             )
@@ -302,3 +306,19 @@ def test_progress_choice_follows_the_stream() -> None:
     assert type(make_progress(1, True, Tty())).__name__ == "_Bar"
     assert type(make_progress(1, "lines", Tty())).__name__ == "_Lines"
     assert type(make_progress(1, False, Tty())).__name__ == "_Silent"
+
+
+def test_a_stopped_trials_reason_reaches_the_client_and_qkscope_results(
+    qk: Client, seeded: dict[str, Any]
+) -> None:
+    """Issue 25: why a trial was stopped (infeasible, or the pruner) is in the client's trial
+    and in `qkscope results`, as stored; trials that ran to the end have none."""
+    from service.cli import results_table
+
+    reasons = {t.number: t.stop_reason for t in qk.trials(seeded["sid"], limit=50)}
+    assert reasons[2] == STOP_REASON
+    assert all(r is None for n, r in reasons.items() if n != 2)
+    assert qk.trial(seeded["ids"][2]).stop_reason == STOP_REASON
+    out = results_table(qk, seeded["sid"])
+    assert f"trial 2 stopped: {STOP_REASON}" in out.splitlines()
+    assert out.count("stopped:") == 1

@@ -20,12 +20,12 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.store import migrate
-from service.store.models import Metric
+from service.store.models import Metric, Trial
 from service.store.session import make_engine
 from tests.conftest import free_port
 from tests.service import ui_seed
@@ -356,6 +356,27 @@ def test_a_running_study_and_trial_update_without_reload(
     p.wait_for_function(
         f"() => ({cells})() === '{4 * len(ui_seed.LAYERS) * len(ui_seed.HEADS)}'", timeout=WAIT_MS
     )
+    assert page.errors == [], page.errors
+
+
+def test_a_stopped_trial_shows_why_in_the_table_and_on_its_page(
+    page: Page, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    """Issue 25: a trial stopped as infeasible (or by the pruner) says why, in the study's
+    trial table and on the trial's own page, as the API stores it."""
+    _, engine, _ = db
+    sid = ui_seed.add_study(engine, "stopped-reasons", "RUNNING")
+    tid = ui_seed.add_trial(engine, sid, 0, "PRUNED", ui_seed.STEPS[:1])
+    reason = "min_norm_entropy_ever 0.0048 < 0.1 at step 50"
+    with Session(engine) as s:
+        s.execute(update(Trial).where(Trial.id == tid).values(stop_reason=reason))
+        s.commit()
+    p = page.open(f"#/studies/{sid}", "study")
+    wait_numbers(p, [0])
+    assert p.inner_text("#trials-body tr[data-number='0'] .stop-reason") == reason
+    page.open(f"#/trials/{tid}", "trial")
+    p.wait_for_selector(".stop-reason", timeout=WAIT_MS)
+    assert p.inner_text(".stop-reason") == f"stopped: {reason}"
     assert page.errors == [], page.errors
 
 
