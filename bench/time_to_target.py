@@ -19,7 +19,8 @@ final validation losses of a 96-trial random study of this space (`--calibrate` 
 Each run has the same wall budget. Reported per framework (medians over seeds): the wall
 time to the first feasible trial at or below the target (inf: not within the budget), the
 best feasible value at the budget, trials finished per hour, and the share of trial compute
-spent on trials that ended infeasible.
+spent on trials that did not end feasible and complete (stopped by a pruner, stopped as
+infeasible, or run to the end infeasible).
 
     .venv/bin/python -m bench.time_to_target [--seeds 5] [--budget 150] [--quick]
     .venv/bin/python -m bench.time_to_target --calibrate [--trials 96]
@@ -287,7 +288,7 @@ def best_at(ends: list[End], budget: float) -> float | None:
     return min(vals) if vals else None
 
 
-def infeasible_share(ends: list[End]) -> float:
+def not_feasible_share(ends: list[End]) -> float:
     total = sum(e.compute_s for e in ends)
     return sum(e.compute_s for e in ends if not e.feasible) / total if total else 0.0
 
@@ -302,7 +303,7 @@ def summarize(name: str, runs: list[list[End]], budget: float) -> list[Any]:
         f"{sum(math.isfinite(t) for t in ttt)}/{len(ttt)}",
         statistics.median(bests) if bests else None,
         statistics.median(per_hour),
-        f"{100 * statistics.median(infeasible_share(r) for r in runs):.0f} %",
+        f"{100 * statistics.median(not_feasible_share(r) for r in runs):.0f} %",
     ]
 
 
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 "reached",
                 "best feasible at budget",
                 "trials/hour",
-                "compute on infeasible",
+                "compute on trials not ending feasible",
             ],
             rows,
         )
