@@ -294,28 +294,14 @@ class TrialRows:
 
         closed = with_retry(write, "close open trials")
         if storage is not None:
-            spec, recorded = with_retry(lambda: self._recorded(study_id), "recorded outcomes")
+            spec, recorded = with_retry(
+                lambda: recorded_outcomes(self.sessions, study_id), "recorded outcomes"
+            )
             with_retry(
                 lambda: close_optuna_trials(storage, study_id, state.value.lower(), spec, recorded),
                 "close Optuna trials",
             )
         return closed
-
-    def _recorded(self, study_id: int) -> tuple[StudySpec, dict[int, Outcome]]:
-        """The study's spec and the outcomes of its trials that ended with a result."""
-        with session_scope(self.sessions) as s:
-            spec = StudySpec.model_validate(
-                s.scalar(select(Study.spec).where(Study.id == study_id))
-            )
-            rows = s.execute(
-                select(Trial.number, Trial.state, Trial.summary, Trial.values).where(
-                    Trial.study_id == study_id, Trial.state.in_(RESULT_STATES)
-                )
-            ).all()
-        return spec, {
-            n: stored_outcome(spec, TrialState(st), summary, values)
-            for n, st, summary, values in rows
-        }
 
     def recount(self, row_ids: list[int]) -> None:
         """Count the metric rows stored now on cancelled rows (after the runner's last batch)."""
@@ -342,3 +328,20 @@ class TrialRows:
                 )
 
         return with_retry(read, "best so far")
+
+
+def recorded_outcomes(
+    sessions: sessionmaker[Session], study_id: int
+) -> tuple[StudySpec, dict[int, Outcome]]:
+    """The study's spec and the outcomes of its trials that ended with a result (by trial
+    number): what a cancel or a give-up tells Optuna for those still RUNNING there."""
+    with session_scope(sessions) as s:
+        spec = StudySpec.model_validate(s.scalar(select(Study.spec).where(Study.id == study_id)))
+        rows = s.execute(
+            select(Trial.number, Trial.state, Trial.summary, Trial.values).where(
+                Trial.study_id == study_id, Trial.state.in_(RESULT_STATES)
+            )
+        ).all()
+    return spec, {
+        n: stored_outcome(spec, TrialState(st), summary, values) for n, st, summary, values in rows
+    }
