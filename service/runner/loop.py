@@ -78,7 +78,8 @@ class StudyRunner:
             return self.status
         self.store.studies.set_status(self.study_id, StudyStatus.RUNNING)
         self.pool = RayPool(self.spec)
-        self.scheduler = Scheduler(self.spec, self.study_id, self.pool)
+        known = self.search.asked() - len(self.search.running())  # trials that have left
+        self.scheduler = Scheduler(self.spec, self.study_id, self.pool, known)
         self.reports = Reports(self.spec, self.store.trials, self.search, self.pool.stop_trial)
         try:
             for rec in self._resume():

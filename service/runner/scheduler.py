@@ -44,16 +44,13 @@ class SlotWorker:
     members: set[int] = field(default_factory=set)  # trial numbers placed, not ended
     closed: bool = False
 
-    @property
-    def free(self) -> int:
-        return self.capacity - len(self.members)
-
 
 class Scheduler:
     """Records, the waiting queue and the slot workers of one study's runner."""
 
-    def __init__(self, spec: StudySpec, study_id: int, pool: Pool) -> None:
+    def __init__(self, spec: StudySpec, study_id: int, pool: Pool, known: int = 0) -> None:
         self.spec, self.study_id, self.pool = spec, study_id, pool
+        self.known = known  # trials of the study that have left (results, failures)
         self.records: dict[int, TrialRecord] = {}  # by trial number, until DONE
         self.waiting: deque[TrialRecord] = deque()
         self.workers: dict[str, SlotWorker] = {}
@@ -74,11 +71,27 @@ class Scheduler:
         else:
             self.waiting.append(rec)
 
+    def depth(self) -> int:
+        """Members a worker may hold now. Under `fuse: auto`, samplers that learn from
+        results (TPE, GP, ...) ramp up: one member per worker at first, one more per
+        `parallelism` trials that have left, so that the first results arrive after one
+        trial's time rather than a fused batch's, and the trials in flight never outnumber
+        by much the results the sampler proposes from (bench/README.md, "Ramping fused
+        slots up"). History-free samplers (random, grid) and an explicit `fuse: N` fill
+        every slot at once."""
+        if self.spec.fuse != "auto" or self.spec.sampler.kind in HISTORY_FREE_SAMPLERS:
+            return self.spec.slots
+        return 1 + self.known // self.spec.parallelism
+
+    def _free(self, w: SlotWorker) -> int:
+        return min(w.capacity, self.depth()) - len(w.members)
+
     def room(self) -> int:
         """Slots a new trial could take now: free ones in open workers, and whole workers
         that may still be started."""
-        free = sum(w.free for w in self.workers.values() if not w.closed)
-        return free + (self.spec.parallelism - len(self.workers)) * self.spec.slots
+        free = sum(max(self._free(w), 0) for w in self.workers.values() if not w.closed)
+        start = min(self.spec.slots, self.depth())
+        return free + (self.spec.parallelism - len(self.workers)) * start
 
     def may_ask(self) -> bool:
         """Whether to ask for another trial now that the waiting ones are placed where they
@@ -101,7 +114,11 @@ class Scheduler:
             config = rec.config.model_dump(mode="json", by_alias=True)
             item = Assignment(rec.number, config, rec.stop_rules)
             worker = next(
-                (w for w in self.workers.values() if not w.closed and w.key == key and w.free > 0),
+                (
+                    w
+                    for w in self.workers.values()
+                    if not w.closed and w.key == key and self._free(w) > 0
+                ),
                 None,
             )
             if worker is not None:
@@ -205,7 +222,8 @@ class Scheduler:
     def done(self, rec: TrialRecord) -> None:
         """The trial's outcome is recorded: it leaves (a late message of it finds nothing)."""
         rec.status, rec.worker = Status.DONE, None
-        self.records.pop(rec.number, None)
+        if self.records.pop(rec.number, None) is not None:
+            self.known += 1
         if rec in self.waiting:
             self.waiting.remove(rec)
 

@@ -182,3 +182,43 @@ def test_a_worker_the_memory_monitor_killed_is_replaced_by_a_smaller_one() -> No
     sched.schedule()
     assert ("start", "study-3/worker-1x2", [0]) in pool.calls
     assert [r.status for r in recs] == [Status.PLACED, Status.PLACED, Status.ASKED]
+
+
+@pytest.mark.parametrize(
+    ("sampler", "fuse", "ramps"),
+    [("tpe", "auto", True), ("gp", "auto", True), ("random", "auto", False), ("tpe", 4, False)],
+)
+def test_fuse_auto_ramps_up_under_samplers_that_learn(sampler: str, fuse: Any, ramps: bool) -> None:
+    """Issue 25: one member per worker until results arrive, then one more per `parallelism`
+    trials that left; random and an explicit `fuse` fill every slot at once."""
+    sched, pool, study = _scheduler(sampler={"kind": sampler}, fuse=fuse, parallelism=2)
+    slots = sched.spec.slots
+    assert slots == 4  # the tiny config gains from fusion on a CPU
+    recs = [_record(study) for _ in range(8)]
+    for r in recs:
+        sched.add(r)
+    sched.schedule()
+    held = {w.name: len(w.members) for w in sched.workers.values()}
+    assert sorted(held.values()) == ([1, 1] if ramps else [4, 4]), held
+    if not ramps:
+        return
+    assert sched.room() == 0 and [r.status for r in recs[2:]] == [Status.ASKED] * 6
+    for done, want in ((1, [1, 1]), (2, [2, 2]), (4, [3, 3]), (6, [4, 4])):
+        while sched.known < done:  # a member of the fullest worker ends and is recorded
+            w = max(sched.workers.values(), key=lambda w: len(w.members))
+            rec = sched.records[min(w.members)]
+            assert sched.ended(_stopped(w.name, rec.number)) is rec
+            sched.done(rec)
+            sched.add(_record(study))
+        sched.schedule()
+        assert sorted(len(w.members) for w in sched.workers.values()) == want, done
+    assert sched.depth() == slots
+
+
+def test_a_relaunched_runner_ramps_from_the_results_the_study_has() -> None:
+    spec = StudySpec.model_validate(
+        {"name": "s", "base": TINY, "budget": {"n_trials": 20}, "parallelism": 2}
+    )
+    assert Scheduler(spec, 3, Recording(), known=0).depth() == 1
+    assert Scheduler(spec, 3, Recording(), known=5).depth() == 3
+    assert Scheduler(spec, 3, Recording(), known=50).depth() == 26  # a worker: min(capacity, depth)
