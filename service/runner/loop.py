@@ -217,7 +217,9 @@ class StudyRunner:
                     self.spec, self.settings, self.study_id, dict(row.params), row.number,
                     owner=self.owner,
                 )  # fmt: skip
-                out.append(self._record(trial, row.id, dict(row.params), config))
+                rec = self._record(trial, row.id, dict(row.params), config)
+                rec.attempts_before = row.attempts - 1  # the claim counted this relaunch
+                out.append(rec)
                 log.info("relaunching trial %d (attempt %d)", row.number, row.attempts)
         return out
 

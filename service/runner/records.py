@@ -57,6 +57,7 @@ class TrialRecord:
     status: Status = Status.ASKED
     worker: str | None = None  # the slot worker that holds it (PLACED, RUNNING)
     starts: int = 0  # executions started in this runner; the 2nd and later are retries
+    attempts_before: int = 0  # executions counted in its row before this runner took it
     losses: int = 0  # workers that ended while holding it (bounded by max_retries)
     launched: float = field(default_factory=time.monotonic)
     result: Stopped | None = None  # FINISHING: the end its worker sent

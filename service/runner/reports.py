@@ -45,9 +45,8 @@ class Reports:
         changes: dict[int, StartRow] = {}
         for msg, rec in started:
             prev = changes.get(rec.row_id)
-            retries = (prev.retries if prev else 0) + (1 if rec.starts > 1 else 0)
             first = msg.at if rec.starts == 1 else (prev.first_at if prev else None)
-            changes[rec.row_id] = StartRow(msg.node, retries, first)
+            changes[rec.row_id] = StartRow(msg.node, rec.attempts_before + rec.starts, first)
             if rec.starts > 1:
                 log.info(
                     "trial %d started again (execution %d) on %s", rec.number, rec.starts, msg.node

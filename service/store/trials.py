@@ -50,7 +50,7 @@ class StartRow:
     """A task execution of a trial began: where, and (first one only) when."""
 
     node: str
-    retries: int  # executions after the first, since the last write
+    attempts: int  # executions so far, this one included (absolute: a rewrite changes nothing)
     first_at: float | None  # unix time of the first execution, None if not in this batch
 
 
@@ -131,7 +131,9 @@ class TrialRows:
             )
 
     def record_starts(self, starts: dict[int, StartRow]) -> None:
-        """Where each trial (row id) runs; QUEUED becomes RUNNING; retries count in attempts."""
+        """Where each trial (row id) runs; QUEUED becomes RUNNING; `attempts` never goes
+        down, and writing the same starts again (a retry after a lost commit) changes
+        nothing."""
         if not starts:
             return
 
@@ -140,7 +142,9 @@ class TrialRows:
                 for row_id, st in starts.items():
                     values: dict[str, Any] = {
                         "node": st.node,
-                        "attempts": Trial.attempts + st.retries,
+                        "attempts": case(
+                            (Trial.attempts < st.attempts, st.attempts), else_=Trial.attempts
+                        ),
                         "waiting_reason": None,
                     }
                     if st.first_at is not None:  # the first start: kept across relaunches

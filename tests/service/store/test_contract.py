@@ -214,11 +214,26 @@ def test_starts_move_queued_to_running_and_count_retries(store: Store) -> None:
 
     sid = _study(store)
     row_id = store.trials.insert_queued(sid, 0, {}, 0)
-    store.trials.record_starts({row_id: StartRow("node-a", 0, 100.0)})
-    store.trials.record_starts({row_id: StartRow("node-b", 1, None)})
+    store.trials.record_starts({row_id: StartRow("node-a", 1, 100.0)})
+    store.trials.record_starts({row_id: StartRow("node-b", 2, None)})
     row = _trial(store.sessions, row_id)
     assert row.state == TrialState.RUNNING and row.node == "node-b" and row.attempts == 2
     assert row.started_at is not None and row.started_at.timestamp() == pytest.approx(100.0)
+
+
+def test_writing_the_same_starts_again_counts_nothing(store: Store) -> None:
+    """Issue 27 (10b): a start batch retried after a commit whose acknowledgement was lost
+    counted its retries twice; attempts are now written as a count, and never go down."""
+    from service.store.trials import StartRow
+
+    sid = _study(store)
+    row_id = store.trials.insert_queued(sid, 0, {}, 0)
+    for _ in range(2):  # the write, then its retry
+        store.trials.record_starts({row_id: StartRow("node-a", 3, 100.0)})
+    assert _trial(store.sessions, row_id).attempts == 3
+    store.trials.record_starts({row_id: StartRow("node-b", 2, None)})  # an older, late batch
+    row = _trial(store.sessions, row_id)
+    assert row.attempts == 3 and row.node == "node-b"
 
 
 # ---- launches are claimed -------------------------------------------------------------------
@@ -251,7 +266,7 @@ def test_a_dead_runners_trial_is_claimed_once_per_runner_attempt(store: Store) -
     sid = _study(store)
     row_id = store.trials.insert_queued(sid, 0, {}, 0)
     queued = store.trials.insert_queued(sid, 1, {}, 0)
-    store.trials.record_starts({row_id: StartRow("node-a", 0, 100.0)})
+    store.trials.record_starts({row_id: StartRow("node-a", 1, 100.0)})
     assert store.trials.claim_orphan(sid, 0, runner=2).attempts == 2  # type: ignore[union-attr]
     assert store.trials.claim_orphan(sid, 0, runner=2).attempts == 2  # type: ignore[union-attr]
     assert store.trials.claim_orphan(sid, 0, runner=3).attempts == 3  # type: ignore[union-attr]
