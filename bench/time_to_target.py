@@ -22,7 +22,7 @@ best feasible value at the budget, trials finished per hour, and the share of tr
 spent on trials that did not end feasible and complete (stopped by a pruner, stopped as
 infeasible, or run to the end infeasible).
 
-    .venv/bin/python -m bench.time_to_target [--seeds 5] [--budget 150] [--quick]
+    .venv/bin/python -m bench.time_to_target [--seeds 5] [--first-seed 0] [--budget 150] [--quick]
     .venv/bin/python -m bench.time_to_target --calibrate [--trials 96]
 """
 
@@ -367,6 +367,7 @@ def calibrate(trials: int, steps: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed.. (more runs)")
     p.add_argument("--budget", type=float, default=150.0, help="wall seconds per run")
     p.add_argument("--trials", type=int, default=200, help="at most this many per run")
     p.add_argument("--steps", type=int, default=300)
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         wants_serve = any(n.startswith("qkscope") for n in names)
         serve = start_serve(Path(tmp) / "serve", CONCURRENCY) if wants_serve else None
         try:
-            for seed in range(args.seeds):  # interleaved: each seed runs all frameworks
+            for seed in range(args.first_seed, args.first_seed + args.seeds):  # interleaved: each seed runs all frameworks
                 for name in names:
                     if name.startswith("qkscope"):
                         assert serve is not None
