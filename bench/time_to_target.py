@@ -337,6 +337,24 @@ def summarize(name: str, runs: list[list[End]], budget: float) -> list[Any]:
     ]
 
 
+def ratio_interval(
+    ours: list[float], peer: list[float], draws: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
+    """A 95 % bootstrap interval of median(peer) / median(ours), seeds resampled with
+    replacement within each framework (inf where a framework never reached the target:
+    such a median is inf, and a ratio of two infs counts as 1)."""
+    import random
+
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        a = statistics.median(rng.choices(ours, k=len(ours)))
+        b = statistics.median(rng.choices(peer, k=len(peer)))
+        ratios.append(1.0 if math.isinf(a) and math.isinf(b) else b / a)
+    ratios.sort()
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+
+
 def calibrate(trials: int, steps: int) -> int:
     """The target: the 5th percentile of feasible final losses of a random study."""
     with tempfile.TemporaryDirectory(prefix="qkscope-ttt-cal-") as tmp:
@@ -431,10 +449,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     peers = [r for r in rows if not r[0].startswith("qkscope") and math.isfinite(r[2])]
+    hit = {n: [time_to_target(r, args.budget) for r in runs[n]] for n in names}
     for q in (r for r in rows if r[0].startswith("qkscope")):
         if peers:
             best = min(peers, key=lambda r: r[2])
-            print(f"{q[0]} vs the fastest peer ({best[0]}): {best[2] / q[2]:.2f}x faster to target")
+            lo, hi = ratio_interval(hit[q[0]], hit[best[0]])
+            print(
+                f"{q[0]} vs the fastest peer ({best[0]}): {best[2] / q[2]:.2f}x faster to target "
+                f"(95 % bootstrap interval over seeds {lo:.2f}-{hi:.2f}x)"
+            )
     if note := busy_note(load0):
         print(note)
     return 0

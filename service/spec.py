@@ -230,7 +230,8 @@ class StudySpec(_Strict):
         feasible value after the same trials, and a better one at equal wall time (bench/
         README.md, "Fusion under learning samplers"). Each fusion key's workers then get
         what its own config gains (`service.runner.configs.slot_key`): a 12-layer grid point
-        of a 1-layer base is not fused.
+        of a 1-layer base is not fused. Under samplers that learn, auto also ramps each
+        worker up from one member as results arrive (`Scheduler.depth`).
         """
         if self.fuse != "auto":
             return self.fuse

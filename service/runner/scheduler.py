@@ -76,8 +76,8 @@ class Scheduler:
         results (TPE, GP, ...) ramp up: one member per worker at first, one more per
         `parallelism` trials that have left, so that the first results arrive after one
         trial's time rather than a fused batch's, and the trials in flight never outnumber
-        by much the results the sampler proposes from (bench/README.md, "Ramping fused
-        slots up"). History-free samplers (random, grid) and an explicit `fuse: N` fill
+        by much the results the sampler proposes from (bench/README.md, "Time to a stable
+        setting"). History-free samplers (random, grid) and an explicit `fuse: N` fill
         every slot at once."""
         if self.spec.fuse != "auto" or self.spec.sampler.kind in HISTORY_FREE_SAMPLERS:
             return self.spec.slots
