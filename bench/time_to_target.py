@@ -407,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         wants_serve = any(n.startswith("qkscope") for n in names)
         serve = start_serve(Path(tmp) / "serve", CONCURRENCY) if wants_serve else None
         try:
-            for seed in range(args.first_seed, args.first_seed + args.seeds):  # interleaved: each seed runs all frameworks
+            for seed in range(
+                args.first_seed, args.first_seed + args.seeds
+            ):  # interleaved: each seed runs all frameworks
                 for name in names:
                     if name.startswith("qkscope"):
                         assert serve is not None

@@ -59,3 +59,17 @@ def test_time_to_target_runs_qkscope_and_optuna_at_smoke_size() -> None:
     )
     lines = {ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("| ")}
     assert {"qkscope", "optuna"} <= lines, out
+
+
+def test_the_time_to_target_interval_brackets_the_ratio_of_medians() -> None:
+    """`ratio_interval` resamples seeds: constant samples give the exact ratio, and a peer
+    that never reached the target has no upper bound."""
+    import math
+
+    from bench.time_to_target import ratio_interval
+
+    assert ratio_interval([10.0] * 5, [25.0] * 5) == (2.5, 2.5)
+    lo, hi = ratio_interval([10.0, 12.0, 30.0], [20.0, 40.0, math.inf], draws=2000)
+    assert 20.0 / 30.0 <= lo <= 1.0 and hi == math.inf
+    lo, hi = ratio_interval([10.0, 20.0, 30.0, 40.0, 50.0], [20.0, 40.0, 60.0, 80.0, 100.0])
+    assert lo < 2.0 < hi  # the medians' ratio, 2, lies inside
