@@ -9,18 +9,21 @@ collapse, no rank collapse). The target is TARGET below: the 5th percentile of t
 final validation losses of a 96-trial random study of this space (`--calibrate` reruns it).
 
 - qkscope with its defaults (TPE, `fuse: auto`, infeasible trials stopped, no loss pruner),
-  POSTed to a `qkscope serve` (its own Ray head, 2 CPUs), `parallelism: 2`; `qkscope-median`
-  is the same with the median pruner that plain Optuna gets (`--only` picks the lines);
+  POSTed to a `qkscope serve` (its own Ray head, 2 CPUs), `parallelism: 2`, cancelled at the
+  budget; `qkscope-median` is the same with the median pruner that plain Optuna gets,
+  `qkscope-fuseN` with an explicit `fuse: N` (no ramp) (`--only` picks the lines);
 - plain Optuna: `n_jobs=2` threads, TPE with the same constraints through
   `constraints_func`, the median pruner;
 - Ray Tune: `OptunaSearch` (TPE; Tune cannot pass constraint values to it) with the ASHA
   scheduler, 2 concurrent trials on a local Ray cluster of 2 CPUs.
 
-Each run has the same wall budget. Reported per framework (medians over seeds): the wall
-time to the first feasible trial at or below the target (inf: not within the budget), the
-best feasible value at the budget, trials finished per hour, and the share of trial compute
-spent on trials that did not end feasible and complete (stopped by a pruner, stopped as
-infeasible, or run to the end infeasible).
+Each run has the same wall budget. Reported per framework (medians over seeds): the time
+to the first trial's end, the wall time to the first feasible trial at or below the target
+(inf: not within the budget), the best feasible value at the budget, trials finished per
+hour, and the share of trial compute spent on trials that did not end feasible and complete
+(stopped by a pruner, stopped as infeasible, or run to the end infeasible); then, for each
+qkscope line against the fastest peer, the ratio of medians with a bootstrap interval over
+seeds.
 
     .venv/bin/python -m bench.time_to_target [--seeds 5] [--first-seed 0] [--budget 150] [--quick]
     .venv/bin/python -m bench.time_to_target --calibrate [--trials 96]
@@ -387,14 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed.. (more runs)")
     p.add_argument("--budget", type=float, default=150.0, help="wall seconds per run")
-    p.add_argument("--trials", type=int, default=200, help="at most this many per run")
+    p.add_argument("--trials", type=int, default=1000, help="at most this many per run")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--only", default="qkscope,optuna,tune")
     p.add_argument("--calibrate", action="store_true")
     p.add_argument("--quick", action="store_true", help="2 seeds, 40 s budgets, 100 steps")
     args = p.parse_args(argv)
     if args.calibrate:
-        return calibrate(96 if args.trials == 200 else args.trials, args.steps)
+        return calibrate(96 if args.trials == 1000 else args.trials, args.steps)
     if args.quick:
         args.seeds, args.budget, args.steps = 2, 40.0, 100
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -407,9 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         wants_serve = any(n.startswith("qkscope") for n in names)
         serve = start_serve(Path(tmp) / "serve", CONCURRENCY) if wants_serve else None
         try:
-            for seed in range(
-                args.first_seed, args.first_seed + args.seeds
-            ):  # interleaved: each seed runs all frameworks
+            seeds = range(args.first_seed, args.first_seed + args.seeds)
+            for seed in seeds:  # interleaved: each seed runs all frameworks
                 for name in names:
                     if name.startswith("qkscope"):
                         assert serve is not None
