@@ -78,13 +78,14 @@ class StudyRunner:
             return self.status
         self.store.studies.set_status(self.study_id, StudyStatus.RUNNING)
         self.pool = RayPool(self.spec)
-        known = self.search.asked() - len(self.search.running())  # trials that have left
-        self.scheduler = Scheduler(self.spec, self.study_id, self.pool, known)
+        self.scheduler = Scheduler(self.spec, self.study_id, self.pool)
         self.reports = Reports(self.spec, self.store.trials, self.search, self.pool.stop_trial)
         try:
-            for rec in self._resume():
-                self.scheduler.add(rec)
+            resumed = self._resume()
             asked, t0 = self.search.asked(), self._started_at()
+            self.scheduler.known = asked - len(resumed)  # trials that left: the ramp's start
+            for rec in resumed:
+                self.scheduler.add(rec)
             while True:
                 if self.store.studies.status(self.study_id) == StudyStatus.CANCELLED:
                     self._cancel()
