@@ -186,22 +186,30 @@ def start_serve(work: Path, concurrency: int, extra_env: dict[str, str] | None =
 
 
 def post_and_wait(
-    c: httpx.Client, spec: dict[str, Any], poll_s: float = 0.1
+    c: httpx.Client,
+    spec: dict[str, Any],
+    poll_s: float = 0.1,
+    cancel_at: float | None = None,
 ) -> tuple[int, float, list[dict[str, Any]]]:
     """POST a study, wait until it ends; returns (id, seconds from POST to the end, its
-    trials' list rows). Raises unless it COMPLETED."""
+    trials' list rows). With `cancel_at` (unix time) the study is cancelled then, and what
+    ended before is kept. Raises unless it COMPLETED (or was cancelled so)."""
     t0 = time.perf_counter()
     r = c.post("/v1/studies", json=spec)
     r.raise_for_status()
     sid = int(r.json()["id"])
+    cancelled = False
     while (study := c.get(f"/v1/studies/{sid}").json())["status"] not in (
         "COMPLETED",
         "FAILED",
         "CANCELLED",
     ):
+        if cancel_at is not None and not cancelled and time.time() > cancel_at:
+            c.post(f"/v1/studies/{sid}/cancel").raise_for_status()
+            cancelled = True
         time.sleep(poll_s)
     wall = time.perf_counter() - t0
-    if study["status"] != "COMPLETED":
+    if study["status"] != "COMPLETED" and not (cancelled and study["status"] == "CANCELLED"):
         raise RuntimeError(f"study {sid} ended {study['status']}: {study.get('error')}")
     items = c.get(f"/v1/studies/{sid}/trials", params={"limit": 1000}).json()["items"]
     return sid, wall, list(items)

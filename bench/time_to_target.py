@@ -121,7 +121,7 @@ def run_qkscope(
     if fuse is not None:
         body["fuse"] = fuse
     t0 = time.time()
-    items = _run_for(c, body, t0 + budget)
+    _, _, items = post_and_wait(c, body, poll_s=0.2, cancel_at=t0 + budget)
     ends = []
     for t in items:
         if t["finished_at"] is None or t["state"] not in ("COMPLETE", "PRUNED", "DIVERGED"):
@@ -131,26 +131,6 @@ def run_qkscope(
         ok = t["state"] == "COMPLETE" and bool(t["feasible"])
         ends.append(End(at, t["value"], ok, float(full.get("wall_time_s") or 0.0)))
     return ends
-
-
-def _run_for(c: httpx.Client, body: dict[str, Any], deadline: float) -> list[dict[str, Any]]:
-    """POST the study; cancel it at the deadline (what ended before is kept, and only that
-    counts); returns its trials' list rows."""
-    r = c.post("/v1/studies", json=body)
-    r.raise_for_status()
-    sid = int(r.json()["id"])
-    cancelled = False
-    while (status := c.get(f"/v1/studies/{sid}").json()["status"]) not in (
-        "COMPLETED",
-        "CANCELLED",
-    ):
-        if status == "FAILED":
-            raise RuntimeError(f"study {sid} failed")
-        if not cancelled and time.time() > deadline:
-            c.post(f"/v1/studies/{sid}/cancel").raise_for_status()
-            cancelled = True
-        time.sleep(0.2)
-    return list(c.get(f"/v1/studies/{sid}/trials", params={"limit": 1000}).json()["items"])
 
 
 # ---- plain Optuna -------------------------------------------------------------------------
