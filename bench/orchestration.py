@@ -256,13 +256,10 @@ def run_qkscope(args: argparse.Namespace, work: Path) -> Result:
         from datetime import datetime
 
         created = datetime.fromisoformat(study["created_at"])
-        # Slot refill: the k-th trial to start (k >= concurrency) took the slot of the
-        # (k - concurrency)-th to finish; started_at is stamped when its row is inserted
-        # (after ask + suggest), finished_at when the result is recorded (before tell).
-        starts = sorted(datetime.fromisoformat(t["started_at"]) for t in items)
-        ends = sorted(datetime.fromisoformat(t["finished_at"]) for t in items)
-        conc = args.concurrency
-        gaps = [(starts[k] - ends[k - conc]).total_seconds() for k in range(conc, len(starts))]
+        starts = [datetime.fromisoformat(t["started_at"]).timestamp() for t in items]
+        ends = [datetime.fromisoformat(t["finished_at"]).timestamp() for t in items]
+        gaps = refill_gaps(starts, ends)
+        in_flight = mean_in_flight(starts, ends)
         started = datetime.fromisoformat(study["started_at"])
         return Result(
             "qkscope (REST, Ray job)",
@@ -273,7 +270,8 @@ def run_qkscope(args: argparse.Namespace, work: Path) -> Result:
             {
                 "duration_s": durations,
                 "refill_s": gaps,
-                "runner_init_s": (min(starts) - started).total_seconds(),
+                "in_flight": in_flight,
+                "runner_init_s": min(starts) - started.timestamp(),
                 "job_start_s": (started - created).total_seconds(),
                 "best": summary["best_value"],
             },
@@ -283,6 +281,35 @@ def run_qkscope(args: argparse.Namespace, work: Path) -> Result:
         raise
     finally:
         stop_serve(head, proc)
+
+
+def refill_gaps(starts: list[float], ends: list[float]) -> list[float]:
+    """How long each freed slot waited for its next trial (seconds, never negative).
+
+    A trial's end frees a slot; the next trial to start takes the oldest slot still free
+    (first in, first out). A start with no freed slot waiting filled a slot that was never
+    used before (the first trials, and slots a `fuse: auto` ramp opens): no gap. This holds
+    for any number of member slots, fused or not; pairing the k-th start with the
+    (k - workers)-th end, as this benchmark once did, assumed one trial per worker and gave
+    negative gaps under fusion."""
+    events = sorted([(t, 0) for t in ends] + [(t, 1) for t in starts])  # an end first on a tie
+    free: list[float] = []
+    gaps: list[float] = []
+    for t, kind in events:
+        if kind == 0:
+            free.append(t)
+        elif free:
+            gaps.append(t - free.pop(0))
+    return gaps
+
+
+def mean_in_flight(starts: list[float], ends: list[float]) -> float:
+    """The mean number of trials in flight while any was: the sum of their durations over
+    the span from the first start to the last end. Per-trial costs divided by it are their
+    share of the wall, for one trial per worker (it is then the worker count) and for fused
+    slots alike."""
+    span = max(ends) - min(starts)
+    return sum(e - s for s, e in zip(starts, ends, strict=True)) / span if span > 0 else 1.0
 
 
 # ---- Ray Tune ------------------------------------------------------------------------------
@@ -420,16 +447,18 @@ def run_optuna(args: argparse.Namespace, work: Path) -> Result:
 
 def qkscope_breakdown(q: Result) -> str:
     """Where qkscope's (wall - ideal) went: per-study costs vs per-trial costs."""
-    conc, n = q.concurrency, q.trials
+    conc, n = q.extra["in_flight"], q.trials
     parts = {
         "Ray job start (POST -> runner RUNNING)": q.extra["job_start_s"],
         "runner init (RUNNING -> first trial row: inbox actor, first ask)": q.extra[
             "runner_init_s"
         ],
         "task overhead (duration_s - compute, incl. each worker's first torch import) / "
-        f"{conc}": sum(d - c for d, c in zip(q.extra["duration_s"], q.compute_s, strict=False))
+        f"{conc:.2f} in flight": sum(
+            d - c for d, c in zip(q.extra["duration_s"], q.compute_s, strict=False)
+        )
         / conc,
-        f"slot refill (result recorded -> next row: tell, ask, suggest) / {conc}": sum(
+        f"slot refill (result recorded -> next start, FIFO) / {conc:.2f} in flight": sum(
             q.extra["refill_s"]
         )
         / conc,
@@ -447,7 +476,8 @@ def qkscope_breakdown(q: Result) -> str:
         table(["qkscope: wall - ideal, split", "s", "ms per trial"], rows)
         + f"\nqkscope per-trial (marginal) overhead: median task overhead "
         f"{1000 * med_task:.0f} ms + median slot refill {1000 * med_refill:.0f} ms, over "
-        f"{conc} slots = {1000 * marginal:.0f} ms per trial; the rest is paid once per study"
+        f"{conc:.2f} trials in flight = {1000 * marginal:.0f} ms per trial; the rest is paid "
+        "once per study"
     )
 
 

@@ -13,6 +13,7 @@ member-steps it computed (its own count, from the runner's log): with slots the 
 compute spent on stopped members, is 0.
 
     .venv/bin/python -m bench.slots [--trials 32] [--steps 400] [--groups d93dac7] [--quick]
+        [--fixed-groups]   # also fuse 4 with `refill: false`: today's code, fixed groups
         [--ref REF]   # also fuse 1 and 4 on commit REF, alternating with today's code
 """
 
@@ -36,15 +37,17 @@ from bench.orchestration import post_and_wait, start_serve, stop_serve
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def spec(trials: int, steps: int, fuse: int) -> dict[str, Any]:
+def spec(trials: int, steps: int, fuse: int, refill: bool = True) -> dict[str, Any]:
     s = yaml.safe_load((ROOT / "study_defs" / "quickstart.yaml").read_text())
-    s["name"] = f"slots-bench-fuse-{fuse}"
+    s["name"] = f"slots-bench-fuse-{fuse}" + ("" if refill else "-fixed")
     s["base"].update(steps=steps, device="cpu", dtype="float32")
     s["budget"] = {"n_trials": trials}
     s["sampler"] = {"kind": "random", "seed": 1}
     s["pruner"] = {"kind": "median", "n_startup_trials": 4, "n_warmup_steps": 0}
     s["constraints"] = []
     s.update(parallelism=1, fuse=fuse, resources={"cpus": 1, "gpus": 0})
+    if not refill:
+        s["refill"] = False
     return s
 
 
@@ -60,7 +63,14 @@ def computed_steps(work: Path) -> int | None:
     return sum(counts) if counts else None
 
 
-def run(trials: int, steps: int, fuse: int, work: Path, tree: Path | None = None) -> dict[str, Any]:
+def run(
+    trials: int,
+    steps: int,
+    fuse: int,
+    work: Path,
+    tree: Path | None = None,
+    refill: bool = True,
+) -> dict[str, Any]:
     saved = os.environ.get("PYTHONPATH")
     if tree is not None:  # the reference code first, for serve, the Ray head and its jobs
         os.environ["PYTHONPATH"] = str(tree)
@@ -73,10 +83,12 @@ def run(trials: int, steps: int, fuse: int, work: Path, tree: Path | None = None
             os.environ["PYTHONPATH"] = saved
     try:
         with httpx.Client(base_url=api, timeout=60) as c:
-            _, wall, items = post_and_wait(c, spec(trials, steps, fuse))
+            _, wall, items = post_and_wait(c, spec(trials, steps, fuse, refill))
         time.sleep(1.0)  # the job's last log lines
         return {
-            "label": f"fuse {fuse} (groups, {tree.name})" if tree else "",
+            "label": f"fuse {fuse} (groups, {tree.name})"
+            if tree
+            else ("" if refill else f"fuse {fuse} (fixed groups: refill off)"),
             "fuse": fuse,
             "wall": wall,
             "trials": len(items),
@@ -108,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ref", metavar="REF", help="also run fuse 1 and fuse 4 on commit REF, alternating"
     )
+    p.add_argument(
+        "--fixed-groups",
+        action="store_true",
+        help="also run fuse 4 with refill: false (today's code, fixed groups)",
+    )
     args = p.parse_args(argv)
     trials, steps = (8, 100) if args.quick else (args.trials, args.steps)
     say(machine_line())
@@ -130,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if ref is not None:
                 subprocess.run(["git", "worktree", "remove", "--force", str(ref)], cwd=ROOT)
+        if args.fixed_groups:
+            say(f"fuse 4, refill off (fixed groups): {trials} trials x {steps} steps")
+            work = Path(tmp) / "fixed-groups"
+            work.mkdir()
+            results.append(run(trials, steps, 4, work, refill=False))
         if args.groups:
             tree = Path(tmp) / args.groups
             subprocess.run(
@@ -179,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
+    refill = next((r for r in results if r["fuse"] == 4 and not r["label"]), None)
+    fixed = next((r for r in results if "refill off" in r["label"]), None)
+    if refill is not None and fixed is not None:
+        print(f"refill / fixed groups (same study, fuse 4): {fixed['wall'] / refill['wall']:.2f}x")
     if note := busy_note(load_before):
         print(note)
     return 0

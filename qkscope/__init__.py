@@ -14,6 +14,9 @@ from qkscope.client import Client
 from qkscope.errors import ApiError, ConnectError, QkscopeError
 from qkscope.models import (
     Importance,
+    LrCurvePoint,
+    LrGroup,
+    LrSensitivity,
     MetricPoint,
     MetricSeries,
     Plot,
@@ -29,6 +32,9 @@ __all__ = [
     "Client",
     "ConnectError",
     "Importance",
+    "LrCurvePoint",
+    "LrGroup",
+    "LrSensitivity",
     "MetricPoint",
     "MetricSeries",
     "Plot",

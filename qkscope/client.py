@@ -20,6 +20,7 @@ import httpx
 from qkscope.errors import ApiError, ConnectError
 from qkscope.models import (
     Importance,
+    LrSensitivity,
     MetricPoint,
     MetricSeries,
     Plot,
@@ -279,6 +280,17 @@ class Client:
         params = {"evaluator": evaluator, **({"target": target} if target else {})}
         return Importance.from_json(
             self._json("GET", f"/v1/studies/{study_id}/importance", params=params)
+        )
+
+    def lr_sensitivity(
+        self, study_id: int, group_by: str | Iterable[str] | None = None
+    ) -> LrSensitivity:
+        """Learning-rate sensitivity (METRICS.md section 9) per group of `group_by` values
+        (one parameter or several; default every searched parameter but optim.lr and seed):
+        the sensitivity with its t interval, `l_0` and the curve `l(eta)` over seeds."""
+        params = {"group_by": _listed(group_by)} if group_by else {}
+        return LrSensitivity.from_json(
+            self._json("GET", f"/v1/studies/{study_id}/lr-sensitivity", params=params)
         )
 
     # --- plots and export -----------------------------------------------------------------

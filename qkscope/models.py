@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Importance",
+    "LrCurvePoint",
+    "LrGroup",
+    "LrSensitivity",
     "MetricPoint",
     "MetricSeries",
     "Plot",
@@ -198,6 +201,84 @@ class Importance:
         return _pandas().DataFrame(
             {"param": list(self.importances), "importance": list(self.importances.values())}
         )
+
+
+@dataclass(frozen=True)
+class LrCurvePoint:
+    """The final loss `l(eta)` over seeds at one learning rate (diverged trials as their l_0)."""
+
+    lr: float
+    n: int  # seeds with a final loss here
+    diverged: int  # of them, how many diverged
+    median: float | None = None
+    q25: float | None = None
+    q75: float | None = None
+    min: float | None = None
+    max: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LrGroup:
+    """One group of an LR-sensitivity answer: its parameter values, the sensitivity (mean
+    over the seeds with a complete grid) with its t interval, `l_0` and the curve."""
+
+    params: dict[str, Any]
+    n_seeds: int
+    sensitivity: float | None
+    ci_low: float | None
+    ci_high: float | None
+    l0: float | None
+    curve: list[LrCurvePoint]
+    seeds: list[dict[str, Any]] = field(default_factory=list)  # per seed: l0, l_star, losses
+    left_out: list[dict[str, Any]] = field(default_factory=list)  # seed, reason, missing_lrs
+    repeated: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LrGroup:
+        g = _build(cls, data)
+        curve = [_build(LrCurvePoint, p) for p in data.get("curve", [])]
+        return dataclasses.replace(g, curve=curve)
+
+    @property
+    def label(self) -> str:
+        """`model.qk_norm=layernorm` (`all` when the study has no other parameter)."""
+        return ", ".join(f"{k}={v}" for k, v in self.params.items()) or "all"
+
+
+@dataclass(frozen=True)
+class LrSensitivity:
+    """Learning-rate sensitivity of a study per group (METRICS.md section 9)."""
+
+    study_id: int
+    group_by: list[str]
+    grid: list[float]
+    log_spaced: bool
+    confidence: float
+    groups: list[LrGroup]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LrSensitivity:
+        out = _build(cls, data)
+        return dataclasses.replace(out, groups=[LrGroup.from_json(g) for g in data["groups"]])
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per group: its parameters, sensitivity, interval, l_0 and seeds used."""
+        rows = [
+            {
+                **g.params,
+                "sensitivity": g.sensitivity,
+                "ci_low": g.ci_low,
+                "ci_high": g.ci_high,
+                "l0": g.l0,
+                "n_seeds": g.n_seeds,
+                "left_out": len(g.left_out),
+            }
+            for g in self.groups
+        ]
+        return _pandas().DataFrame(rows)
 
 
 class StudyList(list[Study]):

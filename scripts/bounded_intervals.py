@@ -1,4 +1,4 @@
-"""95 % intervals for bounded per-trial quantities in docs/results/*.jsonl (second round).
+"""95 % intervals for bounded per-trial quantities in docs/results/archive/*.jsonl (second round).
 
 docs/reproductions.md section 4 first gave Student-t intervals on the raw values, which for a
 quantity in [0, 1] (normalised entropy) can run below 0 or above 1. Here the t interval
@@ -24,7 +24,7 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from intervals import SCALE_OF, Scale, fisher_two_sided, scaled_interval  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "archive"  # round 2
 
 
 def _load(name: str) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Intervals for docs/reproductions.md section 4.5 (Dong et al., MLPs far from the identity).
 
-Reads docs/results/dong_mlp_scale.jsonl (study 1 of the 2026-11-25 service run, 54 trials:
+Reads docs/results/archive/dong_mlp_scale.jsonl (study 1 of the 2026-11-25 service run, 54 trials:
 model.block {pure, attn_mlp, attn_mlp_skip} x model.mlp_init_std {0.02, 0.125, 0.5} x
 model.n_layers {8, 12} x seed {0, 1, 2}) and prints:
 

@@ -15,11 +15,17 @@ read the numbers"). One place, so that every table follows the same rules:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from scipy import stats
+
+# Interval, t_quantile and t_interval live in the service (the LR-sensitivity route needs them
+# too): one implementation, imported from this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service.read.intervals import Interval, t_interval, t_quantile  # noqa: E402
 
 __all__ = [
     "CLIP",
@@ -58,38 +64,6 @@ SCALE_OF: dict[str, Scale] = {
     "qk_eig_mean_rank": "raw",
     "longest_plateau": "raw",
 }
-
-
-@dataclass(frozen=True)
-class Interval:
-    """A centre and a two-sided interval on the quantity's own scale (mapped back)."""
-
-    centre: float
-    lo: float
-    hi: float
-    n: int
-
-    def fmt(self, f: Callable[[float], str] = lambda v: f"{v:.3g}") -> str:
-        return f"{f(self.centre)} [{f(self.lo)}, {f(self.hi)}]"
-
-    def excludes(self, value: float) -> bool:
-        return not self.lo <= value <= self.hi
-
-
-def t_quantile(df: int, conf: float = 0.95) -> float:
-    """The two-sided Student-t quantile for `df` degrees of freedom (df >= 1)."""
-    if df < 1:
-        raise ValueError(f"a t interval needs at least 2 values (df >= 1), got df = {df}")
-    return float(stats.t.ppf(0.5 + conf / 2, df))
-
-
-def t_interval(values: Sequence[float], conf: float = 0.95) -> Interval:
-    """Mean and Student-t interval of raw values."""
-    n = len(values)
-    m = math.fsum(values) / n
-    sd = math.sqrt(math.fsum((v - m) ** 2 for v in values) / (n - 1))
-    half = t_quantile(n - 1, conf) * sd / math.sqrt(n)
-    return Interval(m, m - half, m + half, n)
 
 
 def _forward(scale: Scale) -> Callable[[float], float]:

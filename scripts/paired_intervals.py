@@ -1,6 +1,6 @@
 """Intervals for docs/reproductions.md section 4.4 (Bao et al., non-zero target mean, v2).
 
-Reads docs/results/bao_target_mean.jsonl (study 1 of the service run, 18 trials:
+Reads docs/results/archive/bao_target_mean.jsonl (study 1 of the service run, 18 trials:
 regularizer.lambda {0, 0.1, 1} x regularizer.target_mean {0, 2} x seed {0, 1, 2}) and prints,
 per (lambda, target mean), mean [95 % interval] over the three seeds:
 

@@ -1,6 +1,6 @@
 """The tables of docs/reproductions.md sections 1 and 2 (their three-seed reruns) and 4.1-4.3,
 from the per-trial records that `scripts/repro_via_service.py` read back through the results
-API (docs/results/*.jsonl).
+API (docs/results/archive/*.jsonl).
 
     python scripts/repro_tables.py            # every table, as Markdown
     python scripts/repro_tables.py FILE.jsonl METRIC [METRIC ...]
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bounded_intervals import bounded_interval  # noqa: E402
 from intervals import SCALE_OF, paired_diffs, t_interval  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "archive"  # round 2
 
 
 def load(path: Path) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """Run study definitions through qkscope itself, into ONE database, and keep its export.
 
     python scripts/repro_via_service.py STUDY.yaml [STUDY.yaml ...] --db PATH --out DIR
-        [--metrics] [--fuse auto|N]
+        [--metrics] [--fuse auto|N] [--lr-sensitivity]
 
 Starts a local `qkscope serve` (a Ray head of its own on free ports with 2 CPUs, data from
 ../shared/data) on the SQLite database PATH, which persists between invocations: every
@@ -11,6 +11,8 @@ COMPLETED, and downloads the service's own export (`GET /v1/studies/{id}/export`
 trials table as CSV (`DIR/study-<id>-<name>.trials.csv`: study id and name, trial number,
 state, penalty_version, config_hash, code_commit, params and every summary metric) and,
 with `--metrics`, the long table of metric rows as Parquet (`...metrics.parquet`). It
+With `--lr-sensitivity` it also keeps the service's answer of
+`GET /v1/studies/{id}/lr-sensitivity` (default grouping) as `...lr_sensitivity.json`. It
 appends one line per study to `DIR/studies.csv`: id, name, definition, trials, wall time
 (POST to COMPLETED), fuse, commit.
 
@@ -66,7 +68,13 @@ def download(c: httpx.Client, sid: int, params: dict[str, Any], path: Path) -> N
 
 
 def run_one(
-    c: httpx.Client, definition: Path, out: Path, metrics: bool, fuse: str | None, commit: str
+    c: httpx.Client,
+    definition: Path,
+    out: Path,
+    metrics: bool,
+    fuse: str | None,
+    commit: str,
+    lr_sensitivity: bool = False,
 ) -> tuple[int, float]:
     spec = yaml.safe_load(definition.read_text())
     if fuse is not None:
@@ -76,6 +84,10 @@ def run_one(
     download(c, sid, {"format": "csv"}, out / f"{stem}.trials.csv")
     if metrics:
         download(c, sid, {"format": "parquet", "table": "metrics"}, out / f"{stem}.metrics.parquet")
+    if lr_sensitivity:
+        r = c.get(f"/v1/studies/{sid}/lr-sensitivity")
+        r.raise_for_status()
+        (out / f"{stem}.lr_sensitivity.json").write_text(r.text)
     index = out / "studies.csv"
     new = not index.exists()
     with index.open("a", newline="") as f:
@@ -107,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="where the exports go")
     p.add_argument("--metrics", action="store_true", help="also export the metric rows")
     p.add_argument("--fuse", default=None, help="override the definitions' fuse")
+    p.add_argument("--lr-sensitivity", action="store_true", help="also keep GET .../lr-sensitivity")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     commit = code_commit()
@@ -119,7 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with httpx.Client(base_url=api, timeout=300) as c:
                 for definition in args.studies:
-                    run_one(c, definition.resolve(), args.out, args.metrics, args.fuse, commit)
+                    run_one(
+                        c,
+                        definition.resolve(),
+                        args.out,
+                        args.metrics,
+                        args.fuse,
+                        commit,
+                        args.lr_sensitivity,
+                    )
         finally:
             stop_serve(head, proc)
     return 0

@@ -1,5 +1,5 @@
 """Every interval the claims table of docs/reproductions.md quotes for rounds 1 and 2 that no
-other script prints, from the second round's records (docs/results/*.jsonl), with the
+other script prints, from the second round's records (docs/results/archive/*.jsonl), with the
 interval code of scripts/intervals.py (t quantiles of the sample's df, fixed scale per
 quantity, pairing by seed).
 
@@ -18,7 +18,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from intervals import SCALE_OF, paired_diffs, scaled_interval, t_interval  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "archive"  # round 2
 Cells = dict[tuple[Any, ...], dict[int, dict[str, Any]]]
 
 

@@ -1,6 +1,7 @@
 """Screenshots of the web UI's pages (docs/ui/*.png), from a running `qkscope serve`.
 
     python scripts/ui_screenshots.py --api http://127.0.0.1:8000 --study 1 --trial 1 --compare 1,6
+    python scripts/ui_screenshots.py --study 2 --trial 9 --lr-sensitivity 2 --only lr_sensitivity
 
 Drives the OS's Chromium (Playwright); with API tokens on, pass --token (it goes into the
 page's sessionStorage, as the token prompt would put it, never into an address).
@@ -20,6 +21,14 @@ def main() -> None:
     p.add_argument("--study", type=int, required=True)
     p.add_argument("--trial", type=int, required=True)
     p.add_argument("--compare", default=None, help="2-4 trial ids, comma-separated")
+    p.add_argument(
+        "--lr-sensitivity",
+        type=int,
+        default=None,
+        metavar="STUDY",
+        help="also the LR-sensitivity panel of this study (lr_sensitivity.png)",
+    )
+    p.add_argument("--only", default=None, help="just this page (e.g. lr_sensitivity)")
     p.add_argument("--token", default=None)
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "ui")
     p.add_argument("--chromium", default="/usr/bin/chromium")
@@ -30,6 +39,12 @@ def main() -> None:
              ("trial", f"#/trials/{args.trial}", "trial")]  # fmt: skip
     if args.compare:
         pages.append(("compare", f"#/trials/{args.compare}", "trial"))
+    panel = {}  # page name -> the element to shoot instead of the whole page
+    if args.lr_sensitivity:
+        pages.append(("lr_sensitivity", f"#/studies/{args.lr_sensitivity}", "lrsens"))
+        panel["lr_sensitivity"] = f"#lrsens-panel-{args.lr_sensitivity}"
+    if args.only:
+        pages = [pg for pg in pages if pg[0] == args.only]
     args.out.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=args.chromium, args=["--no-sandbox"])
@@ -42,7 +57,10 @@ def main() -> None:
             page.wait_for_selector(f"html[data-ready{ready}]", state="attached", timeout=30_000)
             page.wait_for_timeout(2500)  # importance and the last charts
             path = args.out / f"{name}.png"
-            page.screenshot(path=str(path), full_page=True)
+            if name in panel:
+                page.locator(panel[name]).screenshot(path=str(path))
+            else:
+                page.screenshot(path=str(path), full_page=True)
             print(f"wrote {path}")
             ctx.close()
         browser.close()

@@ -5,27 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 from fastapi import Depends, FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from service.api import export, importance, plots, series, studies, trials, ui
+from service.api import export, importance, lr_sensitivity, plots, series, studies, trials, ui
 from service.api.deps import require_token, token_digest
 from service.api.errors import install_error_handlers
 from service.api.ops import install_ops
 from service.config import Settings, get_settings
+from service.control.db_health import DatabaseHealth, watch_database
 from service.control.reconciler import LauncherSlot, reconcile_forever
 from service.read import prom
 from service.read.importance import ImportanceCache
 from service.store import Store, migrate
-from service.store.session import make_engine, make_reader, make_sessionmaker
+from service.store.session import make_engine, make_reader, make_sessionmaker, ping
 from service.ui import mount_ui
 
 __all__ = ["create_app"]
 
-ROUTERS = (studies, trials, plots, export, importance, series, ui)
+ROUTERS = (studies, trials, plots, export, importance, lr_sensitivity, series, ui)
 
 
 def _lifespan(
@@ -42,6 +45,11 @@ def _lifespan(
         app.state.importance = ImportanceCache()
         app.state.token_digests = [token_digest(t) for t in settings.token_list()]
         app.state.launcher = LauncherSlot(settings.ray_address)
+        # POST /v1/studies waits on Ray in threads of its own (service/api/studies.py).
+        app.state.submit_limiter = anyio.CapacityLimiter(studies.SUBMIT_THREADS)
+        probe = asyncio.create_task(
+            watch_database(app.state.db_health, functools.partial(ping, app.state.sessions))
+        )
         task: asyncio.Task[Any] | None = None
         if reconcile_loop:
             loop = reconcile_forever(
@@ -51,11 +59,12 @@ def _lifespan(
         try:
             yield
         finally:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            engine.dispose()
+            for t in (task, probe):
+                if t is not None:
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await t
+            await run_in_threadpool(engine.dispose)
 
     return lifespan
 
@@ -72,6 +81,7 @@ def create_app(settings: Settings | None = None, *, reconcile_loop: bool = True)
         redoc_url=None,
         openapi_url=None,
     )
+    app.state.db_health = DatabaseHealth()  # /healthz's view of the database
     install_error_handlers(app)
     for module in ROUTERS:
         app.include_router(module.router, dependencies=[Depends(require_token)])

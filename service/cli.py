@@ -8,6 +8,7 @@ a hint, printed once, and the exit status is 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qkscope import ApiError, Client, QkscopeError, Trial
+from qkscope import ApiError, Client, LrSensitivity, QkscopeError, Trial
 
 if TYPE_CHECKING:
     from service.config import Settings
@@ -133,6 +134,49 @@ def _importance(qk: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _table(rows: list[list[str]]) -> list[str]:
+    """Left-aligned columns under a header row, with a rule below it."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return [lines[0], "-" * len(lines[0]), *lines[1:]]
+
+
+def lr_sensitivity_table(res: LrSensitivity) -> str:
+    """Per group: the sensitivity with its interval, l_0 and the seeds used; then the curve
+    l(eta) (median over seeds, diverged trials as their l_0; `d` marks diverged seeds)."""
+    pct = f"{100 * res.confidence:g} %"
+    out = [
+        f"study {res.study_id}: LR sensitivity (METRICS.md 9) by "
+        f"{', '.join(res.group_by) or 'nothing (one group)'}, grid of {len(res.grid)} "
+        f"learning rates {_fmt(res.grid[0])} .. {_fmt(res.grid[-1])}"
+        + ("" if res.log_spaced else " (NOT equally spaced in log lr)"),
+        "",
+    ]
+    if not res.groups:
+        return "\n".join([*out, "no finished trials yet"])
+    rows = [["group", "sensitivity", f"{pct} interval", "l_0", "seeds", "left out"]]
+    for g in res.groups:
+        interval = "-" if g.ci_low is None else f"[{_fmt(g.ci_low)}, {_fmt(g.ci_high)}]"
+        rows.append(
+            [g.label, _fmt(g.sensitivity), interval, _fmt(g.l0), str(g.n_seeds),
+             str(len(g.left_out))]
+        )  # fmt: skip
+    out += _table(rows)
+    out += ["", "final validation loss l(eta), median over seeds (n seeds, d diverged):"]
+    curve = [["lr", *(g.label for g in res.groups)]]
+    for i, eta in enumerate(res.grid):
+        cells = [_fmt(eta)]
+        for g in res.groups:
+            p = g.curve[i]
+            div = f" {p.diverged}d" if p.diverged else ""
+            cells.append("-" if p.median is None else f"{_fmt(p.median)} (n={p.n}{div})")
+        curve.append(cells)
+    out += _table(curve)
+    for g in res.groups:
+        out += [f"{g.label}: seed {o['seed']} left out: {o['reason']}" for o in g.left_out]
+    return "\n".join(out)
+
+
 def _client_command(args: argparse.Namespace) -> int:
     with Client() as qk:
         if args.cmd == "submit":
@@ -162,6 +206,13 @@ def _client_command(args: argparse.Namespace) -> int:
             return 0
         if args.cmd == "importance":
             return _importance(qk, args)
+        if args.cmd == "lr-sensitivity":
+            res = qk.lr_sensitivity(args.id, group_by=args.group_by)
+            if args.json:
+                print(json.dumps(dataclasses.asdict(res), indent=2))
+            else:
+                print(lr_sensitivity_table(res))
+            return 0
         if args.cmd == "export":
             path = qk.export(args.id, args.out, args.format, args.metrics, args.table)
             print(f"wrote {path}", file=sys.stderr)
@@ -420,6 +471,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", action="store_true", help="write the importance plot as a PNG")
     p.add_argument("--out", metavar="FILE", help="with --plot: where")
+    p = sub.add_parser(
+        "lr-sensitivity", help="learning-rate sensitivity per group (METRICS.md section 9)"
+    )
+    p.add_argument("id", type=int)
+    p.add_argument(
+        "--group-by",
+        action="append",
+        metavar="PARAM",
+        help="a parameter whose values make the groups (repeatable; default every searched "
+        "parameter but optim.lr and seed)",
+    )
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("export", help="a study's trials (and metric rows) as CSV or Parquet")
     p.add_argument("id", type=int)
     p.add_argument("--format", choices=["csv", "parquet"], default="csv")

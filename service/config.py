@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from service.limits import Limits
 
 __all__ = ["Settings", "get_settings"]
 
@@ -45,6 +49,10 @@ class Settings(BaseSettings):
     # whose nodes appear later; the runner then shows a waiting reason instead).
     check_resources: bool = True
     max_job_attempts: int = Field(5, ge=1)  # runner jobs per study before it is marked FAILED
+    # How long a study runner waits for a database that went away (refused or dropped
+    # connections) before it exits leaving the study RUNNING for the reconciler; a restart
+    # or failover of PostgreSQL must fit in it. Never a reason to fail a study.
+    db_outage_s: float = Field(600.0, gt=0.0)
     max_body_bytes: int = Field(256 * 1024, gt=0)
     max_trials: int = Field(10_000, ge=1)
     max_steps: int = Field(1_000_000, ge=1)
@@ -54,6 +62,41 @@ class Settings(BaseSettings):
     # a CPU worker fuses; a GPU worker fits its slots to its memory itself): more is a 422
     # at POST naming the field. service/space.py `check_memory` estimates it (errs high).
     max_trial_memory_bytes: int = Field(16 * 2**30, ge=2**20)
+    # What one accepted study may cost the head, a worker or the database (service/limits.py;
+    # each is a 422 at POST naming the field and the limit, docs/operations.md).
+    # Points of the grid sampler's grid: Optuna builds them all as a list in the runner.
+    max_grid_points: int = Field(100_000, ge=1)
+    # Evaluations one trial runs (steps / eval_every): inbox messages, Optuna intermediate
+    # values and metric rows.
+    max_evals_per_trial: int = Field(10_000, ge=1)
+    # Metric rows one trial, and one study, may write (evaluations x the registry's series
+    # per layer and head), at the largest point of the search space.
+    max_metric_rows_per_trial: int = Field(2_000_000, ge=1)
+    max_metric_rows_per_study: int = Field(200_000_000, ge=1)
+    # Checkpoint bytes one trial writes over its life (each checkpoint replaces the last).
+    max_checkpoint_bytes_per_trial: int = Field(256 * 2**30, ge=2**20)
+    # Bytes Optuna stores for a study's parameters (each trial's row of each searched field
+    # holds the field's distribution as JSON, every categorical choice included).
+    max_param_bytes_per_study: int = Field(256 * 2**20, ge=2**20)
+    # Characters of any one string of a definition (the description has its own 10,000).
+    max_string_chars: int = Field(1024, ge=16)
+    # Messages the runner's inbox buffers before a worker's next message waits for room
+    # (workers/inbox.py): a slow runner slows its workers, never loses or piles up messages.
+    inbox_max_messages: int = Field(1000, ge=1)
+
+    def limits(self) -> Limits:
+        """The definition limits of service/limits.py, from these settings."""
+        from service.limits import Limits
+
+        return Limits(
+            grid_points=self.max_grid_points,
+            evals_per_trial=self.max_evals_per_trial,
+            metric_rows_per_trial=self.max_metric_rows_per_trial,
+            metric_rows_per_study=self.max_metric_rows_per_study,
+            checkpoint_bytes_per_trial=self.max_checkpoint_bytes_per_trial,
+            param_bytes_per_study=self.max_param_bytes_per_study,
+            string_chars=self.max_string_chars,
+        )
 
     def resolved_database_url(self) -> str:
         """The database URL (file, else setting); the embedded default is an absolute SQLite
@@ -76,12 +119,17 @@ class Settings(BaseSettings):
             return None
         path = (self.home / "runner-database-url").resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.resolved_database_url())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
+        # A temporary name of its own per call (0600 from the start): POSTs write it from
+        # several threads at once, and each rename must find its own file.
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.resolved_database_url())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return str(path)
 
     def resolved_checkpoint_dir(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -28,6 +28,9 @@ from pydantic import (
 from workers.config import TrialConfig, TrialSummary
 from workers.metric_names import INTERMEDIATE_SUMMARIES, OBJECTIVE_SUMMARIES
 
+if TYPE_CHECKING:
+    from service.limits import Limits
+
 __all__ = [
     "SUMMARY_METRICS",
     "Constraint",
@@ -37,7 +40,9 @@ __all__ = [
     "apply_params",
     "check_data_dirs",
     "check_limits",
+    "count_params",
     "parse_spec",
+    "vocab_size",
     "with_params",
 ]
 
@@ -216,6 +221,11 @@ class StudySpec(_Strict):
     # 1 turns fusion off (a Ray task per trial). Trials share a worker only with trials of
     # the same fusion key (shapes and loop). "auto" (the default): see `slots`.
     fuse: int | Literal["auto"] = "auto"
+    # Whether a slot freed by a member that stopped takes the next trial at once (the
+    # default). False runs fixed groups, as HFTA and ModelBatch do: once a member of a
+    # worker's group has ended, the worker takes no new trial until the whole group has
+    # ended. It exists to measure what refilling is worth (bench/slots.py --fixed-groups).
+    refill: bool = True
 
     @property
     def slots(self) -> int:
@@ -330,7 +340,14 @@ def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
         raise SpecError(".".join(str(x) for x in err["loc"]) or "base", err["msg"]) from None
 
 
-def _count_params(config: TrialConfig, vocab: int) -> int:
+def vocab_size(config: TrialConfig) -> int:
+    """Tokens of the model's vocabulary: the corpus's cap plus <unk>/<eos> for lm, else the
+    synthetic task's symbols and its markers."""
+    return config.task.vocab_cap + 2 if config.task.kind == "lm" else 4 * config.task.n_symbols + 4
+
+
+def count_params(config: TrialConfig, vocab: int) -> int:
+    """About how many parameters a trial's model has (attention, MLP, embeddings)."""
     m = config.model
     per_layer = 4 * m.d_model * m.d_model + (2 * m.d_model * m.d_ff if m.mlp else 0)
     return m.n_layers * per_layer + vocab * m.d_model + config.task.seq_len * m.d_model
@@ -343,10 +360,13 @@ def check_limits(
     max_steps: int,
     max_params: int,
     max_memory: int | None = None,
+    limits: Limits | None = None,
 ) -> list[SpecError]:
     """Deployment limits that depend on settings rather than on the spec alone: trials,
-    steps, parameters and (`max_memory`, QKSCOPE_MAX_TRIAL_MEMORY_BYTES) the memory of one
-    worker at the largest point of the search space (service/space.py, `check_memory`)."""
+    steps, parameters, (`max_memory`, QKSCOPE_MAX_TRIAL_MEMORY_BYTES) the memory of one
+    worker at the largest point of the search space (service/space.py, `check_memory`), and
+    what `limits` bounds (service/limits.py: the grid, evaluations, metric rows, checkpoint
+    bytes, string lengths)."""
     from service.space import check_memory, worst_points  # imports this module
 
     errors: list[SpecError] = []
@@ -361,12 +381,13 @@ def check_limits(
         errors.append(SpecError("base.steps", f"{worst['steps']} > limit {max_steps}"))
     n = 0
     for _, big in worst_points(spec):  # the largest values together, valid or not
-        vocab = big.task.vocab_cap + 2 if big.task.kind == "lm" else 4 * big.task.n_symbols + 4
-        n = max(n, _count_params(big, vocab))
+        n = max(n, count_params(big, vocab_size(big)))
     if n > max_params:
         errors.append(SpecError("base.model", f"about {n:,} parameters > limit {max_params:,}"))
     if max_memory is not None:
         errors += check_memory(spec, max_memory)
+    if limits is not None:
+        errors += limits.check(spec)
     return errors
 
 

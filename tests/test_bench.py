@@ -73,3 +73,28 @@ def test_the_time_to_target_interval_brackets_the_ratio_of_medians() -> None:
     assert 20.0 / 30.0 <= lo <= 1.0 and hi == math.inf
     lo, hi = ratio_interval([10.0, 20.0, 30.0, 40.0, 50.0], [20.0, 40.0, 60.0, 80.0, 100.0])
     assert lo < 2.0 < hi  # the medians' ratio, 2, lies inside
+
+
+def test_the_torch_func_baseline_trains_what_the_fused_model_trains() -> None:
+    """bench.func_baseline compares two forms of one program: from the same weights and
+    batches, the vmap(functional_call) ensemble and qkscope's fused model give the same
+    per-member losses after a few steps of training."""
+    from bench.func_baseline import _fused_arms, config, members
+
+    cfgs = members(config(quick=True), 3)
+    fused_tps, vmap_tps, diff = _fused_arms(cfgs, 4)
+    assert fused_tps > 0 and vmap_tps > 0
+    assert diff < 1e-5
+
+
+def test_the_orchestration_split_reads_fused_slots_without_negative_refills() -> None:
+    """Four member slots in two workers: the old pairing (k-th start with the
+    (k - 2)-th end) gave 0 - 5 = -5 s; FIFO pairing gives each freed slot's real wait."""
+    from bench.orchestration import mean_in_flight, refill_gaps
+
+    starts = [0.0, 0.0, 0.0, 0.0, 5.5, 6.0]
+    ends = [5.0, 6.0, 7.0, 8.0, 10.0, 11.0]
+    assert refill_gaps(starts, ends) == [0.5, 0.0]
+    assert mean_in_flight(starts, ends) == (5 + 6 + 7 + 8 + 4.5 + 5) / 11
+    # one trial per worker, two workers: every start after the first two waits its gap
+    assert refill_gaps([0.0, 0.0, 3.2, 4.1], [3.0, 4.0, 6.0, 7.0]) == pytest.approx([0.2, 0.1])

@@ -64,12 +64,14 @@ ANY_RECEIVER = {"add_all", "merge"}  # (and bulk_*): no other object here has th
 SESSION_WRITES = {"add", "delete"}  # only on a session: sets and dicts have .add too
 RAW_WRITE = ("INSERT", "UPDATE", "DELETE", "UPSERT", "MERGE", "REPLACE", "TRUNCATE", "DROP")
 # make_sessionmaker (service/store/session.py) is the writable session factory. It is called in
-# exactly two places, each to construct the one writer of its process, Store(...), never to
-# use the sessions directly: the API process in its lifespan, and the study runner (a Ray job,
-# another process) when it starts. Any other call is a second writer.
+# exactly three places, each to construct the one writer of its process, Store(...), never to
+# use the sessions directly: the API process in its lifespan, the study runner (a Ray job,
+# another process) when it starts, and the runner's job when that runner could not be built
+# (to fail the study; no runner, so no other writer). Any other call is a second writer.
 STORE_SITES = {
     ("service/app.py", "_lifespan.lifespan"),
     ("service/runner/loop.py", "StudyRunner.__init__"),
+    ("service/runner/job.py", "_build"),
 }
 
 

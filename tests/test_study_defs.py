@@ -30,6 +30,7 @@ def test_study_definition_is_valid(path: Path) -> None:
             max_steps=s.max_steps,
             max_params=s.max_params,
             max_memory=s.max_trial_memory_bytes,
+            limits=s.limits(),
         )
         == []
     )
@@ -88,11 +89,7 @@ def test_gpu_scale_definitions_for_both_papers() -> None:
     bao, dong = _spec("gpu_bao_wikitext2.yaml"), _spec("gpu_dong_depth.yaml")
     for spec in (bao, dong):
         assert spec.base.device == "cuda" and spec.resources.gpus > 0
-    lam = bao.search_space["regularizer.lambda"]
-    assert lam.type == "float" and lam.grid is not None
-    assert 0.0 in lam.grid and len(lam.grid) >= 3  # the no-regularizer baseline and a sweep
     assert bao.base.task.kind == "lm" and bao.base.regularizer.kind == "locater"
-    assert bao.base.steps >= 3000
     depth = dong.search_space["model.n_layers"]
     assert depth.type == "int" and depth.grid is not None and max(depth.grid) >= 24
     assert dong.base.model.d_model >= 256
@@ -100,11 +97,54 @@ def test_gpu_scale_definitions_for_both_papers() -> None:
     assert block.type == "categorical"
     assert set(block.choices) == {"pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"}
     assert dong.base.dtype == "float32"  # collapsed ratios (~1e-7) are below bf16's resolution
-    # Bao with the mean where it can act: Pre-LN, one full-width head, non-zero targets, fused
-    assert bao.base.model.norm == "pre" and bao.base.model.n_heads == 1
+    assert bao.fuse == "auto" and bao.slots > 1  # the Bao model: next test
+
+
+# valid.txt, word-level with <eos> per line: the token count the GPU Bao study's epochs use
+VALID_TOKENS = 213_886 + 3_760
+
+
+def test_gpu_bao_is_the_papers_model_and_its_pre_registered_design() -> None:
+    """Issue 35: fairseq's 1-layer 1-head width-128 Post-LN LM with sqrt(D) embeddings and
+    feed-forward 128; five arms (none, variance only, LocAteR-style t = 0 / 0.01 / 0.02 at one
+    lambda), 10 seeds, 10-15 epochs of valid.txt, evaluated on test.txt, best_val_loss."""
+    bao = _spec("gpu_bao_wikitext2.yaml")
+    m = bao.base.model
+    assert (m.n_layers, m.n_heads, m.d_model, m.d_ff) == (1, 1, 128, 128)
+    assert m.norm == "post" and m.embed_scale == "sqrt_d" and m.dropout == 0.0
+    task = bao.base.task
+    assert (task.train_split, task.valid_split) == ("valid", "test")
+    epochs = bao.base.steps * bao.base.batch_size * task.seq_len / VALID_TOKENS
+    assert 10 <= epochs <= 15, epochs
+    kinds = bao.search_space["regularizer.kind"]
+    assert kinds.type == "categorical"
+    assert set(kinds.choices) == {"none", "spectral_variance", "locater"}
     target = bao.search_space["regularizer.target_mean"]
-    assert target.type == "float" and target.grid is not None and max(target.grid) > 0
-    assert bao.fuse == "auto" and bao.slots > 1
+    assert target.type == "float" and target.grid == [0.0, 0.01, 0.02]
+    assert "regularizer.lambda" not in bao.search_space and bao.base.regularizer.lam > 0
+    seeds = bao.search_space["seed"]
+    assert seeds.type == "int" and seeds.grid is not None and len(set(seeds.grid)) == 10
+    assert [o.metric for o in bao.objectives] == ["best_val_loss"]
+    text = (DEFS[0].parent / "gpu_bao_wikitext2.yaml").read_text()
+    assert "PRE-REGISTRATION" in text and "Holm" in text
+
+
+def test_gpu_bao_smoke_every_arm_on_cpu(one_thread: None) -> None:
+    """The CPU smoke of the GPU Bao study: every arm at the definition's own model (width 128,
+    Post-LN, sqrt(D) embeddings), a few steps on a small vocabulary, on the CPU."""
+    spec = _spec("gpu_bao_wikitext2.yaml")
+    if not (DATA_ROOT / "wikitext-2" / "valid.txt").is_file():
+        pytest.skip("WikiText-2 not available (set QKSCOPE_DATA_DIR)")
+    for kind in ("none", "spectral_variance", "locater"):
+        params = {"regularizer.kind": kind, "regularizer.target_mean": 0.02, "seed": 300}
+        config = _reduced(apply_params(spec.base, params))
+        data = config.model_dump(by_alias=True)
+        data["model"] = spec.base.model.model_dump()  # the full-size model, not the tiny one
+        data["steps"] = 3
+        summary = run_trial(TrialConfig.model_validate(data))
+        assert summary.status == "completed", kind
+        assert summary.best_val_loss is not None and math.isfinite(summary.best_val_loss)
+        assert summary.qk_eig_var is not None
 
 
 def test_dong_rate_definitions_probe_where_the_theorem_applies() -> None:
@@ -125,6 +165,32 @@ def test_dong_rate_definitions_probe_where_the_theorem_applies() -> None:
     assert norm.type == "categorical" and "none" in norm.choices
     floor = _spec("repro_dong_floor.yaml")
     assert floor.base.steps == 0 and floor.base.eval_at_init
+
+
+def test_dong_growth_definitions_are_the_pre_registered_ones() -> None:
+    """docs/reproductions.md 6.1: fresh seeds 10-29 (no earlier definition uses them), float64,
+    24-layer pure attention with and without the mask, at init and after training; Pre-LN at
+    QK 0.2, and the theorem's network (no LayerNorm, token_scale init) at QK 0.2 and 0.5."""
+    pre, san = _spec("repro_dong_growth.yaml"), _spec("repro_dong_growth_theorem.yaml")
+    fresh = set(range(10, 30))
+    for spec in (pre, san):
+        m = spec.base.model
+        assert m.n_layers == 24 and m.block == "pure" and m.n_heads == 1
+        assert spec.base.dtype == "float64" and spec.base.eval_at_init and spec.base.steps == 100
+        causal = spec.search_space["model.causal"]
+        assert causal.type == "categorical" and set(causal.choices) == {True, False}
+        seed = spec.search_space["seed"]
+        assert seed.type == "int" and seed.grid is not None and set(seed.grid) == fresh
+    assert pre.base.model.norm == "pre" and pre.base.model.qk_init_std == 0.2
+    assert san.base.model.norm == "none" and san.base.model.init_scheme == "token_scale"
+    qk = san.search_space["model.qk_init_std"]
+    assert qk.type == "float" and qk.grid == [0.2, 0.5]
+    for path in DEFS:
+        if path.name.startswith("repro_dong_growth"):
+            continue
+        seed = _spec(path.name).search_space.get("seed")
+        if seed is not None and seed.type == "int" and seed.grid is not None:
+            assert not fresh & {int(v) for v in seed.grid}, path.name
 
 
 def _variety(spec: StudySpec, every_choice: bool) -> list[dict[str, Any]]:

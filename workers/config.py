@@ -126,6 +126,15 @@ class TaskConfig(pydantic.BaseModel):
         return self
 
 
+def _refuse(cls_name: str, loc: tuple[str, ...], value: object, msg: str) -> ValidationError:
+    """A ValidationError located at `loc` (relative to the model raising it), so a study spec
+    names the field that is refused (e.g. base.model.position), not the whole section."""
+    detail = InitErrorDetails(
+        type="value_error", loc=loc, input=value, ctx={"error": ValueError(msg)}
+    )
+    return ValidationError.from_exception_data(cls_name, [detail])
+
+
 BlockPreset = Literal["custom", "pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"]
 # (skip, mlp, mlp_skip) of each named variant of Dong et al. 2021. "attn_mlp" is attention + MLP
 # with no residual anywhere; "attn_mlp_skip" is the variant of the authors' code
@@ -155,7 +164,46 @@ class ModelConfig(BaseModel):
     mlp_skip: bool | None = None  # residual around the MLP; None = the same as `skip`
     # A named Dong et al. variant; anything but "custom" sets skip, mlp and mlp_skip.
     block: BlockPreset = "custom"
-    qk_norm: Literal["none", "layernorm", "sigma_reparam"] = "none"
+    qk_norm: Literal["none", "layernorm", "rmsnorm", "sigma_reparam"] = Field(
+        "none",
+        description=(
+            "Normalisation of the queries and keys per head before the logits: LayerNorm or "
+            "RMSNorm (each with a learned scale; LayerNorm also a bias), or sigma-reparam of "
+            "the query and key projections (Zhai et al. 2023)."
+        ),
+    )
+    norm_type: Literal["layernorm", "rmsnorm"] = Field(
+        "layernorm",
+        description=(
+            "The block and final norms (wherever `norm` puts one): LayerNorm, or RMSNorm "
+            "(torch.nn.RMSNorm: a learned scale, no bias, no mean subtraction; Llama)."
+        ),
+    )
+    position: Literal["learned", "rotary"] = Field(
+        "learned",
+        description=(
+            "Position information: a learned embedding added to the tokens (GPT-2), or rotary "
+            "embeddings (RoPE, base 10000, the rotate-half form) applied to q and k of every "
+            "head after the QK norm (Llama); needs an even head width."
+        ),
+    )
+    mlp_type: Literal["gelu", "swiglu"] = Field(
+        "gelu",
+        description=(
+            "The MLP: proj(gelu(fc x)), or SwiGLU proj(silu(gate x) * (up x)) with gate and up "
+            "of width d_ff each (one fc of 2 d_ff outputs; 1.5x the parameters of gelu at the "
+            "same d_ff: Llama uses d_ff = 8/3 d_model)."
+        ),
+    )
+    sigma_reparam: Literal["none", "all"] = Field(
+        "none",
+        description=(
+            "all: every linear layer of every block (q, k, v, output, MLP) is "
+            "W_hat = gamma / sigma(W) * W, sigma by one power iteration a training step, gamma "
+            "learned and initialised to sigma(W) (Zhai et al. 2023). The query/key-only "
+            "variant is qk_norm: sigma_reparam."
+        ),
+    )
     qk_init_std: float = Field(0.02, gt=0.0, le=10.0)
     mlp_init_std: float = Field(
         0.02,
@@ -169,6 +217,32 @@ class ModelConfig(BaseModel):
             "scale of its input; the MLP's Lipschitz constant at init grows as "
             "mlp_init_std^2 (large values: the regime of Dong et al.'s claim that MLPs slow "
             "rank collapse). An init scale only: per trial, fusable."
+        ),
+    )
+    init_scheme: Literal["gpt", "token_scale"] = Field(
+        "gpt",
+        description=(
+            "gpt: every weight std 0.02 but the QK and MLP scales above (nanoGPT). "
+            "token_scale: the same draws rescaled so that attention keeps the token scale "
+            "without any LayerNorm (Dong et al.'s pure self-attention network): token and "
+            "position embeddings std 1/sqrt(2) (their sum has unit-variance entries, the "
+            "scale a LayerNorm would give), value and output projections std 1/sqrt(d_model) "
+            "(W_O W_V keeps a token's norm in expectation); the QK and MLP scales are "
+            "unchanged. With norm none, the logits of every layer then see tokens of norm "
+            "about sqrt(d_model), where GPT init shrinks them by ~0.013 a layer. An init "
+            "scale only: per trial, fusable."
+        ),
+    )
+    embed_scale: Literal["none", "sqrt_d"] = Field(
+        "none",
+        description=(
+            "none: the token embedding enters as drawn (GPT, std 0.02). sqrt_d: fairseq's "
+            "token embedding (Bao et al.'s model): drawn with std 1/sqrt(d_model) (the 0.02 "
+            "draw rescaled, nothing more drawn) and multiplied by sqrt(d_model) on the way "
+            "in, so its entries have unit scale; the tied output head uses the unscaled "
+            "weight, as fairseq's shared decoder embedding does. Learned positions (std "
+            "0.02) are added after the scaling, as fairseq adds its sinusoidal ones. "
+            "Refused with init_scheme: token_scale (both set the token scale)."
         ),
     )
     attn_temperature: float = Field(1.0, gt=0.0, le=100.0)
@@ -201,6 +275,53 @@ class ModelConfig(BaseModel):
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _options_fit_together(self) -> ModelConfig:
+        """Refuse option combinations that mean nothing or cannot be built, naming the
+        option that is refused (a 422 at base.model.<field> in a study)."""
+        name = type(self).__name__
+        if self.position == "rotary" and self.d_head % 2 != 0:
+            raise _refuse(
+                name,
+                ("position",),
+                self.position,
+                f"position: rotary needs an even head width; d_model / n_heads = {self.d_head}",
+            )
+        if self.sigma_reparam == "all" and self.qk_norm == "sigma_reparam":
+            raise _refuse(
+                name,
+                ("sigma_reparam",),
+                self.sigma_reparam,
+                "sigma_reparam: all already reparametrises the query and key projections; "
+                "use qk_norm: none (or layernorm/rmsnorm) with it, or qk_norm: sigma_reparam "
+                "alone for the query/key-only variant",
+            )
+        if self.embed_scale != "none" and self.init_scheme == "token_scale":
+            raise _refuse(
+                name,
+                ("embed_scale",),
+                self.embed_scale,
+                "embed_scale: sqrt_d sets the token scale itself (fairseq's embedding); "
+                "use it with init_scheme: gpt, or init_scheme: token_scale with embed_scale: "
+                "none",
+            )
+        if self.norm_type == "rmsnorm" and self.norm == "none":
+            raise _refuse(
+                name,
+                ("norm_type",),
+                self.norm_type,
+                "norm_type: rmsnorm with norm: none has no norm to make an RMSNorm; "
+                "use norm: pre or post",
+            )
+        if self.mlp_type == "swiglu" and not self.mlp:
+            raise _refuse(
+                name,
+                ("mlp_type",),
+                self.mlp_type,
+                "mlp_type: swiglu with no MLP (mlp: false, or a block preset without one)",
             )
         return self
 
@@ -241,6 +362,35 @@ class OptimConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine"] = "cosine"
     grad_clip: float | None = Field(1.0, gt=0.0)
+    weight_decay_mode: Literal["coupled", "independent"] = Field(
+        "coupled",
+        description=(
+            "AdamW's decay step: coupled (torch's AdamW) decays p by lr * weight_decay * p, "
+            "where lr includes its schedule; independent (Wortsman et al. 2023) by "
+            "weight_decay * schedule_multiplier * p, so the decay does not grow with the "
+            "learning rate (weight_decay ~1e-4 there, not ~0.1). adamw only."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _independent_decay_is_adamw(self) -> OptimConfig:
+        if self.weight_decay_mode == "independent" and self.name != "adamw":
+            raise _refuse(
+                type(self).__name__,
+                ("weight_decay_mode",),
+                self.weight_decay_mode,
+                f"weight_decay_mode: independent is an AdamW option; optim.name is {self.name!r}",
+            )
+        return self
+
+    @property
+    def torch_weight_decay(self) -> float:
+        """The weight decay to give torch's AdamW (which decays by lr * wd): `weight_decay`
+        when coupled; `weight_decay / lr` when independent, so that lr * wd is
+        weight_decay times the schedule's multiplier."""
+        if self.weight_decay_mode == "independent":
+            return self.weight_decay / self.lr
+        return self.weight_decay
 
 
 class CheckpointConfig(BaseModel):
@@ -263,6 +413,16 @@ class TrialConfig(BaseModel):
     regularizer: RegularizerConfig = Field(default_factory=RegularizerConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     batch_size: int = Field(32, ge=1, le=4096)
+    z_loss_coef: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "z-loss (docs/metrics.md section 9): z_loss_coef * mean over the positions with a "
+            "target of (log Z_t)^2 added to the training loss, in float32 outside autocast "
+            "(PaLM and Wortsman et al.: 1e-4). 0: no term at all."
+        ),
+    )
     steps: int = Field(
         300,
         ge=0,
@@ -389,6 +549,12 @@ class TrialSummary(BaseModel):
     # evaluation; target mass only for tasks that know the answer's position.
     top1_mass: float | None = None
     target_mass: float | None = None
+    # Instability signals (docs/metrics.md section 9), on the probe batch: the largest
+    # |attention logit| over layers and heads at the last evaluation and over every
+    # evaluation, and the largest |mean log Z| of the output logits over every evaluation.
+    max_attn_logit: float | None = None
+    max_attn_logit_ever: float | None = None
+    max_abs_output_log_z_ever: float | None = None
     # Provenance: a hash of the trial's config (checkpoint location left out) and the code
     # commit that trained it ("+dirty" when tracked files differed from it).
     config_hash: str | None = None

@@ -40,6 +40,7 @@ from workers.checkpoints import claim_dir, read_stopped, write_stopped
 from workers.config import MetricPoint, TrialConfig, TrialStatus, TrialSummary
 from workers.evaluation import History, init_points, penalty, probe_metrics, summarize, val_loss
 from workers.model import GPT
+from workers.regularizers import z_loss
 from workers.stopping import Stopper, StopRule
 from workers.tasks import Task, build_task
 
@@ -119,7 +120,7 @@ def make_optimizer(config: TrialConfig, model: GPT) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         model.parameters(),
         lr=o.lr,
-        weight_decay=o.weight_decay,
+        weight_decay=o.torch_weight_decay,  # independent decay: wd / lr (config.py)
         betas=(o.beta1, o.beta2),
         fused=True if cuda else None,
         foreach=None if cuda else True,
@@ -221,6 +222,8 @@ def _load_checkpoint(mem: Member, device: torch.device, restore_rng: bool) -> No
         torch.set_rng_state(state["torch_rng"])
     mem.hist, mem.start, mem.n_evals = state["history"], state["step"], state["n_evals"]
     mem.step = mem.start
+    if mem.stopper is not None:  # violations in a row go on counting from the checkpoint
+        mem.stopper.restore(state.get("stopper"))
 
 
 def _save_checkpoint(mem: Member) -> None:
@@ -243,6 +246,7 @@ def _save_checkpoint(mem: Member) -> None:
         "history": mem.hist,
         "step": mem.step,
         "n_evals": mem.n_evals,
+        "stopper": None if mem.stopper is None else mem.stopper.state(),
     }
     tmp = path.with_suffix(".tmp")
     try:
@@ -322,10 +326,14 @@ class PlainRunner:
         for group in opt.param_groups:
             group["lr"] = lr
         with self.ctx:
-            _, loss = fwd(x, y)
+            logits, loss = fwd(x, y)
             assert loss is not None
+        total = loss
+        z_coef = mem.config.z_loss_coef
+        if z_coef != 0.0:  # outside autocast, in float32 (no term at all when 0)
+            total = total + z_coef * z_loss(logits, y)
         pen = penalty(mem.model, reg) if reg.kind != "none" and reg.lam != 0.0 else None
-        total = loss if pen is None else loss + reg.lam * pen
+        total = total if pen is None else total + reg.lam * pen
         bad = ~(torch.isfinite(loss.detach()) & torch.isfinite(total.detach()))
         opt.zero_grad(set_to_none=True)
         total.backward()  # type: ignore[no-untyped-call]
@@ -558,11 +566,17 @@ class Engine:
             min((p.value for p in points if p.name == "attn_entropy_norm"), default=math.nan)
         )
         mem.hist.last_points = points
+        mem.hist.record_signals(points)
         mem.n_evals += 1
         try:
             stop = mem.reporter.report(mem.step, points)  # journaled beside the checkpoint
             if not math.isfinite(val):
                 mem.status, mem.diverged_at = "diverged", mem.step
+                return True
+            # judged before the checkpoint, which keeps the stopper's counts of this step
+            reason = self._infeasible(mem) if mem.stopper is not None else None
+            if reason is not None:
+                mem.status, mem.stop_reason = "pruned", reason
                 return True
             every = mem.config.checkpoint.every_evals
             if mem.checkpoint_path is not None and mem.n_evals % every == 0:
@@ -571,9 +585,6 @@ class Engine:
             if self.on_error is None:
                 raise
             mem.error = e  # it leaves; the others go on
-            return True
-        if mem.stopper is not None and (reason := self._infeasible(mem)) is not None:
-            mem.status, mem.stop_reason = "pruned", reason
             return True
         if stop:
             mem.status = "pruned"

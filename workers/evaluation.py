@@ -61,16 +61,29 @@ def probe_metrics(
         }
         if probe_targets is not None:
             per_head["attn_target_mass"] = M.attention_target_mass(attn, probe_targets).tolist()
+        q, k = out.qk[layer - 1]
+        # the q, k this probe just made the attention from, at the model's own scale
+        per_head["attn_logit_max"] = M.attention_logit_max(
+            q, k, causal=causal, scale=out.scale
+        ).tolist()
         for name, values in per_head.items():
             points.extend(MetricPoint(name, v, layer, h) for h, v in enumerate(values))
+    points.append(MetricPoint("output_log_z", float(M.output_log_z(out.logits))))
     for layer, hidden in enumerate(out.hidden):
         ratio = M.rank_collapse_ratio(_wide(hidden)).mean().item()
         points.append(MetricPoint("rank_ratio", ratio, layer))
+    gains = model.qk_input_gains()
     for layer, (w_q, w_k) in enumerate(model.qk_weights(), start=1):
         mean, var = M.qk_eigen_stats_factored(_wide(w_q), _wide(w_k))
         for h, (m, v) in enumerate(zip(mean.tolist(), var.tolist(), strict=True)):
             points.append(MetricPoint("qk_eig_mean", m, layer, h))
             points.append(MetricPoint("qk_eig_var", v, layer, h))
+        gain = gains[layer - 1]
+        if gain is not None:  # Pre-LN: the form diag(g) W diag(g) that sets the logits
+            e_mean, e_var = M.qk_effective_eigen_stats(_wide(w_q), _wide(w_k), _wide(gain))
+            for h, (m, v) in enumerate(zip(e_mean.tolist(), e_var.tolist(), strict=True)):
+                points.append(MetricPoint("qk_eff_eig_mean", m, layer, h))
+                points.append(MetricPoint("qk_eff_eig_var", v, layer, h))
         for h, r in enumerate(M.qk_eig_mean_rank(_wide(w_q), _wide(w_k)).tolist()):
             points.append(MetricPoint("qk_eig_mean_rank", r, layer, h))
     model.train(was_training)
@@ -125,10 +138,44 @@ class History:
     min_norm_entropies: list[float]
     last_points: list[MetricPoint]
     init_points: list[MetricPoint] | None = None
+    # Per training evaluation, the largest attn_logit_max over layers and heads and
+    # |output_log_z| (NaN where not finite or not measured): their running maxima are
+    # summaries. Plain class defaults, so checkpoints written before them still load (then
+    # the maxima cover the evaluations since the resume).
+    max_attn_logits: list[float] | None = None
+    abs_output_log_zs: list[float] | None = None
+
+    def record_signals(self, points: list[MetricPoint]) -> None:
+        """Keep one training evaluation's instability signals (docs/metrics.md section 9)."""
+        logit = _max_of([p.value for p in points if p.name == "attn_logit_max"])
+        log_z = [abs(p.value) for p in points if p.name == "output_log_z"]
+        self.max_attn_logits = [*(self.max_attn_logits or []), _nan_if_none(logit)]
+        self.abs_output_log_zs = [
+            *(self.abs_output_log_zs or []),
+            _nan_if_none(_finite(log_z[0]) if log_z else None),
+        ]
 
     @classmethod
     def empty(cls) -> History:
         return cls([], [], [], [], [])
+
+
+def _max_of(values: list[float]) -> float | None:
+    """The largest value, None when there is none or one is not finite (as the registry's
+    `within: max` reduces an evaluation, service/runner/pruning.py)."""
+    if not values or not all(math.isfinite(v) for v in values):
+        return None
+    return max(values)
+
+
+def _nan_if_none(x: float | None) -> float:
+    return math.nan if x is None else x
+
+
+def _running_max(values: list[float] | None) -> float | None:
+    """The largest finite value of the evaluations so far (a running maximum), or None."""
+    finite = [v for v in values or [] if math.isfinite(v)]
+    return max(finite) if finite else None
 
 
 @dataclass(frozen=True)
@@ -143,6 +190,7 @@ class _PointStats:
     qk_eig_mean_rank: float | None
     top1_mass: float | None  # mean over layers and heads
     target_mass: float | None
+    max_attn_logit: float | None  # largest over layers and heads
 
 
 def _point_stats(points: list[MetricPoint]) -> _PointStats:
@@ -166,6 +214,7 @@ def _point_stats(points: list[MetricPoint]) -> _PointStats:
         qk_eig_mean_rank=mean_of("qk_eig_mean_rank"),
         top1_mass=mean_of("attn_top1_mass"),
         target_mass=mean_of("attn_target_mass"),
+        max_attn_logit=_max_of([p.value for p in by_name.get("attn_logit_max", [])]),
     )
 
 
@@ -204,6 +253,9 @@ def summarize(
     s.qk_eig_var, s.qk_eig_mean = last.qk_eig_var, last.qk_eig_mean
     s.qk_eig_mean_rank = last.qk_eig_mean_rank
     s.top1_mass, s.target_mass = last.top1_mass, last.target_mass
+    s.max_attn_logit = last.max_attn_logit
+    s.max_attn_logit_ever = _running_max(hist.max_attn_logits)
+    s.max_abs_output_log_z_ever = _running_max(hist.abs_output_log_zs)
     s.entropy_collapse = (
         s.min_norm_entropy is not None and s.min_norm_entropy < config.entropy_collapse_threshold
     )

@@ -103,7 +103,8 @@ class _BatchedOptimizer:
         self.name = configs[0].optim.name
         self.params = params
         self.lr = _hyper([c.optim.lr for c in configs], dev)
-        self.wd = _hyper([c.optim.weight_decay for c in configs], dev)
+        # torch's AdamW form (decay lr * wd): independent decay is wd / lr there (config.py)
+        self.wd = _hyper([c.optim.torch_weight_decay for c in configs], dev)
         self.beta1 = _hyper([c.optim.beta1 for c in configs], dev)
         self.beta2 = _hyper([c.optim.beta2 for c in configs], dev)
         self.step_count = torch.zeros(len(configs), dtype=torch.float32, device=dev)
@@ -148,7 +149,7 @@ class _BatchedOptimizer:
 def _clip_per_member(params: list[Tensor], clips: Tensor) -> Tensor:
     """clip_grad_norm_ for each member separately; returns the (M,) norms before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
-    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads])  # (P, M)
+    norms = torch.stack([g.reshape(g.shape[0], -1).norm(dim=1) for g in grads])  # (P, M)
     total: Tensor = norms.norm(dim=0)  # (M,)
     coef = torch.clamp(clips / (total + 1e-6), max=1.0)
     for g in grads:
@@ -239,8 +240,12 @@ class FusedRunner:
             ],
             dev,
         )
-        fwd = self.fused.forward
-        self.forward: Callable[[Tensor, Tensor], Tensor] = (
+        # z-loss only for the members that use it (no 0 * z term for the others)
+        z_idx = [i for i, c in enumerate(configs) if c.z_loss_coef != 0.0]
+        self.z_members = torch.tensor(z_idx, device=dev) if z_idx else None
+        self.z_coefs = _hyper([configs[i].z_loss_coef for i in z_idx], dev)
+        fwd = self.fused.losses
+        self.forward: Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor | None]] = (
             torch.compile(fwd) if configs[0].compile else fwd  # type: ignore[assignment]
         )
 
@@ -251,10 +256,13 @@ class FusedRunner:
         y = torch.stack([b[1] for b in batches])
         factors = _hyper([m.lr_factor() for m in self.members], self.device)
         with self.ctx:
-            loss = self.forward(x, y)  # (M,)
+            loss, zsq = self.forward(x, y, self.z_members)  # (M,), (members with z-loss,)
         pen = fused.penalties(self.kinds, self.targets) if any(self.use_penalty) else None
         wide = torch.promote_types(loss.dtype, torch.float32)  # float64 members stay float64
         per_member = loss.to(wide)
+        if zsq is not None and self.z_members is not None:  # z_coef rounded as torch does
+            z_term = self.z_coefs.to(zsq.dtype) * zsq
+            per_member = per_member.index_add(0, self.z_members, z_term.to(wide))
         if pen is not None:
             pen32 = pen.to(torch.promote_types(pen.dtype, wide))
             per_member = per_member + self.lams.to(pen32.dtype) * pen32  # lam rounded as torch does

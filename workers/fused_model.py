@@ -15,9 +15,14 @@ shapes (the attention temperature, via the logit scale) are (M,) tensors.
 Explicit batched matmuls were measured against `torch.func.vmap(functional_call(GPT))` on
 CPU (bench/README.md, "fused model: bmm vs vmap"); the batched form is kept.
 
+The model options (`ModelConfig`: RMSNorm, rotary positions, SwiGLU, sigma-reparam of the
+query/key projections or of every linear layer) are computed here exactly as `workers.model`
+computes them, per member; sigma-reparam's power-iteration vectors (`u`, `v`, buffers of the
+GPT) are stacked like the weights and advanced once per training forward, as the GPT's
+training forward does. z-loss is `losses`' second output.
+
 Not supported (refused by `workers.fused.check_fusable`): dropout (the fused model draws no
-randomness, so it cannot match a trial that does) and sigma-reparam QK (its power iteration
-mutates per-module buffers in the training forward).
+randomness, so it cannot match a trial that does).
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from workers.config import ModelConfig, RegularizerKind
-from workers.model import GPT
-from workers.regularizers import locater_penalty, spectral_variance_penalty
+from workers.model import GPT, apply_rotary, rotary_tables
+from workers.regularizers import locater_penalty, spectral_variance_penalty, z_loss
 
 __all__ = ["FusedGPT"]
 
@@ -39,9 +44,19 @@ __all__ = ["FusedGPT"]
 class FusedGPT:
     """The stacked weights of M GPTs and their batched training forward."""
 
-    def __init__(self, cfg: ModelConfig, params: dict[str, Tensor], temperatures: Tensor):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict[str, Tensor],
+        temperatures: Tensor,
+        buffers: dict[str, Tensor] | None = None,
+    ):
         self.cfg = cfg
         self.params = params  # name -> (M, *shape), leaf tensors with requires_grad
+        # name -> (M, *shape): sigma-reparam's power-iteration vectors (`<layer>.u`, `.v`)
+        self.buffers = buffers or {}
+        # the linear layers that are sigma-reparametrised (they have a learned gamma)
+        self.sigma_layers = [n[: -len(".gamma")] for n in params if n.endswith(".gamma")]
         self.n_members = temperatures.shape[0]
         # Each member's logit scale 1 / (sqrt(d_h) * temperature): (M,), in float64 like the
         # Python float `CausalSelfAttention.scale`, rounded once to the activations' dtype
@@ -57,22 +72,33 @@ class FusedGPT:
             n: torch.stack([p[n].detach() for p in per_member]).to(device).requires_grad_(True)
             for n in names
         }
+        per_member_bufs = [dict(m.named_buffers()) for m in models]
+        buffers = {
+            n: torch.stack([b[n].detach() for b in per_member_bufs]).to(device)
+            for n, _ in models[0].named_buffers()
+        }
         temps = torch.tensor(
             [m.cfg.attn_temperature for m in models], dtype=torch.float64, device=device
         )
-        return cls(cfg, params, temps)
+        return cls(cfg, params, temps, buffers)
 
     @torch.no_grad()
     def write_member(self, m: int, model: GPT) -> None:
-        """Copy member m's weights into an ordinary GPT of the same config."""
+        """Copy member m's weights (and power-iteration vectors) into an ordinary GPT of the
+        same config."""
         for name, p in model.named_parameters():
             p.copy_(self.params[name][m])
+        for name, b in model.named_buffers():
+            b.copy_(self.buffers[name][m])
 
     @torch.no_grad()
     def read_member(self, m: int, model: GPT) -> None:
-        """Load member m's weights from an ordinary GPT (checkpoint resume)."""
+        """Load member m's weights (and power-iteration vectors) from an ordinary GPT
+        (checkpoint resume)."""
         for name, p in model.named_parameters():
             self.params[name][m].copy_(p)
+        for name, b in model.named_buffers():
+            self.buffers[name][m].copy_(b)
 
     def parameters(self) -> list[Tensor]:
         return list(self.params.values())
@@ -86,15 +112,43 @@ class FusedGPT:
         y = torch.bmm(x.reshape(m, b * t, d), w.transpose(1, 2))  # (M, B*T, out)
         return y.view(m, b, t, w.shape[1])
 
-    def _layer_norm(self, x: Tensor, prefix: str) -> Tensor:
-        """Per-member affine LayerNorm over the last axis; x (M, ..., D)."""
-        w, b = self.params[prefix + ".weight"], self.params[prefix + ".bias"]
+    def _layer_norm(self, x: Tensor, prefix: str, kind: str = "layernorm") -> Tensor:
+        """Per-member affine LayerNorm (or RMSNorm: a scale, no bias) over the last axis;
+        x (M, ..., D)."""
+        w = self.params[prefix + ".weight"]
         shape = (w.shape[0],) + (1,) * (x.dim() - 2) + (w.shape[1],)
+        if kind == "rmsnorm":  # torch.nn.RMSNorm's default eps (None: the dtype's eps)
+            return F.rms_norm(x, (x.shape[-1],)) * w.view(shape)
+        b = self.params[prefix + ".bias"]
         y = F.layer_norm(x, (x.shape[-1],))
         return y * w.view(shape) + b.view(shape)
 
-    def _norm(self, x: Tensor, prefix: str) -> Tensor:
-        return self._layer_norm(x, prefix) if self.cfg.norm != "none" else x
+    def _block_norm(self, x: Tensor, prefix: str) -> Tensor:
+        """A block's (or the final) norm, of the config's `norm_type`."""
+        return self._layer_norm(x, prefix, self.cfg.norm_type)
+
+    @torch.no_grad()
+    def _power_iteration(self) -> None:
+        """One power-iteration step of every sigma-reparam layer, per member (as
+        `SigmaReparamLinear` does in each training forward)."""
+        for layer in self.sigma_layers:
+            w = self.params[layer + ".weight"]
+            w = w.to(torch.promote_types(w.dtype, torch.float32))  # (M, out, in)
+            u, v = self.buffers[layer + ".u"], self.buffers[layer + ".v"]
+            v_new = F.normalize(torch.bmm(w.transpose(1, 2), u.unsqueeze(-1)).squeeze(-1), dim=1)
+            u.copy_(F.normalize(torch.bmm(w, v_new.unsqueeze(-1)).squeeze(-1), dim=1))
+            v.copy_(v_new)
+
+    def weight(self, layer: str) -> Tensor:
+        """A linear layer's effective (M, out, in) weight: gamma / sigma(W) * W for a
+        sigma-reparam layer (sigma = u^T W v, differentiable in W), W otherwise."""
+        w = self.params[layer + ".weight"]
+        if layer + ".gamma" not in self.params:
+            return w
+        u, v = self.buffers[layer + ".u"], self.buffers[layer + ".v"]
+        sigma = (torch.bmm(u.unsqueeze(1), w).squeeze(1) * v).sum(dim=-1)  # (M,)
+        gamma = self.params[layer + ".gamma"]  # (M,)
+        return (gamma / sigma).view(-1, 1, 1) * w
 
     def _attention(self, x: Tensor, i: int) -> Tensor:
         """Self-attention of block i (causal unless `cfg.causal` is false); x (M, B, T, D)."""
@@ -103,12 +157,16 @@ class FusedGPT:
         h, dh = cfg.n_heads, cfg.d_head
 
         def heads(name: str) -> Tensor:
-            y = self._linear(x, self.params[f"{p}.{name}.weight"])  # (M, B, T, D)
+            y = self._linear(x, self.weight(f"{p}.{name}"))  # (M, B, T, D)
             return y.view(m, b, t, h, dh).transpose(2, 3)  # (M, B, H, T, d_h)
 
         q, k, v = heads("q_proj"), heads("k_proj"), heads("v_proj")
-        if cfg.qk_norm == "layernorm":
-            q, k = self._layer_norm(q, f"{p}.q_norm"), self._layer_norm(k, f"{p}.k_norm")
+        if cfg.qk_norm in ("layernorm", "rmsnorm"):
+            q = self._layer_norm(q, f"{p}.q_norm", cfg.qk_norm)
+            k = self._layer_norm(k, f"{p}.k_norm", cfg.qk_norm)
+        if cfg.position == "rotary":  # after the QK norm, per head, as GPT does
+            cos, sin = rotary_tables(t, dh, x.device, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q = q * self.scale.to(q.dtype).view(m, 1, 1, 1, 1)  # per-member temperature
         y = F.scaled_dot_product_attention(
             q.reshape(m * b, h, t, dh),
@@ -118,11 +176,21 @@ class FusedGPT:
             scale=1.0,
         )  # (M*B, H, T, d_h)
         y = y.view(m, b, h, t, dh).transpose(2, 3).reshape(m, b, t, d)
-        return self._linear(y, self.params[f"{p}.out_proj.weight"])
+        return self._linear(y, self.weight(f"{p}.out_proj"))
+
+    def _mlp(self, x: Tensor, i: int) -> Tensor:
+        """Block i's MLP (GELU or SwiGLU); x (M, B, T, D)."""
+        hid = self._linear(x, self.weight(f"blocks.{i}.mlp.fc"))
+        if self.cfg.mlp_type == "swiglu":
+            gate, up = hid.chunk(2, dim=-1)
+            hid = F.silu(gate) * up
+        else:
+            hid = F.gelu(hid)
+        return self._linear(hid, self.weight(f"blocks.{i}.mlp.proj"))
 
     def _residual(self, x: Tensor, out: Tensor, ln: str, skip: bool) -> Tensor:
         y = x + out if skip else out
-        return self._layer_norm(y, ln) if self.cfg.norm == "post" else y
+        return self._block_norm(y, ln) if self.cfg.norm == "post" else y
 
     @property
     def _mlp_skip(self) -> bool:
@@ -131,23 +199,35 @@ class FusedGPT:
 
     def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Per-member mean cross-entropy (M,) of (M, B, T) inputs and targets (-100 ignored)."""
+        return self.losses(idx, targets)[0]
+
+    def losses(
+        self, idx: Tensor, targets: Tensor, z_members: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Per-member mean cross-entropy (M,) and, for the members `z_members` (an index
+        tensor) only, their z-loss term mean_t (log Z_t)^2 (len(z_members),), without its
+        coefficient (`workers.regularizers.z_loss`, float32 outside autocast)."""
         cfg, p = self.cfg, self.params
         m, b, t = idx.shape
+        if self.sigma_layers:
+            self._power_iteration()
         tok = p["tok_emb.weight"]  # (M, V, D)
         members = torch.arange(m, device=idx.device).view(m, 1, 1)
-        x = tok[members, idx] + p["pos_emb.weight"][:, :t].unsqueeze(1)  # (M, B, T, D)
+        x = tok[members, idx]  # (M, B, T, D)
+        if cfg.embed_scale == "sqrt_d":  # as GPT._embed: scaled before the positions
+            x = x * math.sqrt(cfg.d_model)
+        if cfg.position == "learned":
+            x = x + p["pos_emb.weight"][:, :t].unsqueeze(1)
         pre = cfg.norm == "pre"
         for i in range(cfg.n_layers):
             blk = f"blocks.{i}"
-            a_in = self._layer_norm(x, f"{blk}.ln1") if pre else x
+            a_in = self._block_norm(x, f"{blk}.ln1") if pre else x
             x = self._residual(x, self._attention(a_in, i), f"{blk}.ln1", cfg.skip)
             if cfg.mlp:
-                m_in = self._layer_norm(x, f"{blk}.ln2") if pre else x
-                hid = F.gelu(self._linear(m_in, p[f"{blk}.mlp.fc.weight"]))
-                out = self._linear(hid, p[f"{blk}.mlp.proj.weight"])
-                x = self._residual(x, out, f"{blk}.ln2", self._mlp_skip)
+                m_in = self._block_norm(x, f"{blk}.ln2") if pre else x
+                x = self._residual(x, self._mlp(m_in, i), f"{blk}.ln2", self._mlp_skip)
         if pre:
-            x = self._layer_norm(x, "ln_f")
+            x = self._block_norm(x, "ln_f")
         logits = self._linear(x, tok)  # (M, B, T, V), head tied to the token embedding
         wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays
         nll = F.cross_entropy(
@@ -157,7 +237,9 @@ class FusedGPT:
             reduction="none",
         ).view(m, b * t)
         counted = (targets.view(m, b * t) != -100).sum(dim=1)  # (M,)
-        return nll.sum(dim=1) / counted  # mean over counted targets, as F.cross_entropy does
+        ce = nll.sum(dim=1) / counted  # mean over counted targets, as F.cross_entropy does
+        z = None if z_members is None else z_loss(logits[z_members], targets[z_members])
+        return ce, z
 
     # ---- regularizers ---------------------------------------------------------------------
 
@@ -165,12 +247,8 @@ class FusedGPT:
         """Query and key weights of every layer and head: two (M, L, H, d_h, D) tensors."""
         cfg = self.cfg
         shape = (self.n_members, cfg.n_heads, cfg.d_head, cfg.d_model)
-        w_q = [
-            self.params[f"blocks.{i}.attn.q_proj.weight"].view(shape) for i in range(cfg.n_layers)
-        ]
-        w_k = [
-            self.params[f"blocks.{i}.attn.k_proj.weight"].view(shape) for i in range(cfg.n_layers)
-        ]
+        w_q = [self.weight(f"blocks.{i}.attn.q_proj").view(shape) for i in range(cfg.n_layers)]
+        w_k = [self.weight(f"blocks.{i}.attn.k_proj").view(shape) for i in range(cfg.n_layers)]
         return torch.stack(w_q, dim=1), torch.stack(w_k, dim=1)
 
     def penalties(self, kinds: Sequence[RegularizerKind], target_means: Sequence[float]) -> Tensor:

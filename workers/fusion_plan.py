@@ -41,9 +41,10 @@ PER_MEMBER_FIELDS: dict[str, tuple[str, ...]] = {
         "plateau_window",
         "plateau_rel_tol",
         "trapped_rel_gap",
+        "z_loss_coef",
     ),
-    "optim": ("lr", "weight_decay", "beta1", "beta2", "grad_clip"),
-    "model": ("qk_init_std", "mlp_init_std", "attn_temperature"),
+    "optim": ("lr", "weight_decay", "weight_decay_mode", "beta1", "beta2", "grad_clip"),
+    "model": ("qk_init_std", "mlp_init_std", "init_scheme", "attn_temperature"),
 }
 
 
@@ -57,11 +58,6 @@ def check_fusable(config: TrialConfig) -> None:
         raise FusionError(
             "model.dropout: fused trials draw no randomness in the forward, so dropout > 0 "
             "cannot match the trial run alone; use fuse: 1"
-        )
-    if config.model.qk_norm == "sigma_reparam":
-        raise FusionError(
-            "model.qk_norm: sigma_reparam updates per-module buffers in the training forward "
-            "and is not fused; use fuse: 1"
         )
 
 
@@ -105,7 +101,8 @@ def estimated_params(config: TrialConfig, vocab_size: int) -> int:
     and QK-norm weight and bias counted, the head tied to the token embedding)."""
     m, t = config.model, config.task.seq_len
     d, f, layers = m.d_model, m.d_ff, m.n_layers
-    per_layer = 4 * d * d + (2 * d * f if m.mlp else 0) + 4 * d + 4 * m.d_head
+    mlp = (3 if m.mlp_type == "swiglu" else 2) * d * f if m.mlp else 0
+    per_layer = 4 * d * d + mlp + 4 * d + 4 * m.d_head
     return vocab_size * d + t * d + layers * per_layer + 2 * d
 
 
@@ -228,7 +225,8 @@ def step_flops(config: TrialConfig, vocab_size: int | None = None) -> float:
     layers x d_model x seq_len per token). The embedding lookup costs no matmul."""
     m, tokens = config.model, config.batch_size * config.task.seq_len
     vocab = vocab_bound(config) if vocab_size is None else vocab_size
-    weights = m.n_layers * (4 * m.d_model**2 + (2 * m.d_model * m.d_ff if m.mlp else 0))
+    mlp = (3 if m.mlp_type == "swiglu" else 2) * m.d_model * m.d_ff if m.mlp else 0
+    weights = m.n_layers * (4 * m.d_model**2 + mlp)
     weights += vocab * m.d_model
     return float(6 * weights * tokens + 12 * m.n_layers * m.d_model * config.task.seq_len * tokens)
 

@@ -14,11 +14,22 @@ cluster has resources. Reports are fire-and-forget; the answer to a report (has 
 decided to stop this trial?) is read from the report's future once it is done. Stop
 decisions therefore arrive one or two evaluations late; that costs at most
 `2 * eval_every` steps of a stopped trial and keeps training free of waits.
+
+Backpressure, so that a slow runner (a slow database) slows its workers instead of piling
+messages up or losing them. The inbox buffers at most `max_messages` messages (starts,
+reports and ends; QKSCOPE_INBOX_MAX_MESSAGES): a message that finds it full waits, in the
+order it came, until the runner takes a batch, and its call returns only then. The runner's
+stream lets at most `STREAM_AHEAD` batches wait for it (Ray's generator backpressure), so
+the inbox is emptied only as fast as the runner reads. A reporter keeps at most
+`IN_FLIGHT` reports unanswered: its next report waits (a plain thread wait on the futures,
+not `ray.get`) for the oldest to be taken in. Nothing is dropped; the trial just trains
+no faster than the runner stores what it measures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import os
@@ -31,10 +42,25 @@ import ray
 from workers.config import MetricPoint
 from workers.messages import Assignment, Batch, End, Point, Report, Started
 
-__all__ = ["ACK_TIMEOUT_S", "JOURNAL", "InboxReporter", "TrialInbox", "TrialInboxActor"]
+__all__ = [
+    "ACK_TIMEOUT_S",
+    "IN_FLIGHT",
+    "JOURNAL",
+    "MAX_MESSAGES",
+    "STREAM_AHEAD",
+    "InboxReporter",
+    "TrialInbox",
+    "TrialInboxActor",
+    "max_concurrency",
+]
 
 JOURNAL = "reports.jsonl"
-ACK_TIMEOUT_S = 120.0  # how long a finished worker waits for its last messages to arrive
+# How long a worker waits for the inbox to take in one more of its messages before it gives
+# up on the inbox (a full inbox takes them in as fast as the runner reads: that is progress).
+ACK_TIMEOUT_S = 120.0
+MAX_MESSAGES = 1000  # the inbox's default bound (the runner passes QKSCOPE_INBOX_MAX_MESSAGES)
+STREAM_AHEAD = 2  # batches the stream may yield before the runner has read them
+IN_FLIGHT = 4  # reports one member may have sent and not yet had taken in
 
 
 class TrialInbox:
@@ -42,7 +68,13 @@ class TrialInbox:
     stop decisions and the trials assigned to each slot worker. Runs as an async actor
     (`TrialInboxActor`): its methods never block each other."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_messages: int = MAX_MESSAGES) -> None:
+        if max_messages < 1:
+            raise ValueError(f"max_messages must be >= 1, got {max_messages}")
+        self._max = max_messages
+        self._held = 0  # messages in the buffer
+        self._high_water = 0  # the most it ever held
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._batch = Batch()
         self._yielded = 0  # batches the stream has yielded
         self._stop: set[int] = set()
@@ -54,20 +86,38 @@ class TrialInbox:
 
     # ---- workers -> runner ------------------------------------------------------------------
 
+    async def _room(self) -> None:
+        """Wait for a place in the buffer (first come, first served), and take it."""
+        if self._held >= self._max or self._waiting:
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append(turn)
+            await turn  # `_take` hands places out in order
+        else:
+            self._held += 1
+        self._high_water = max(self._high_water, self._held)
+
     async def started(self, msg: Started) -> None:
+        await self._room()
         self._batch.starts.append(msg)
         self._event.set()
 
     async def put(self, msg: Report) -> bool:
-        """Buffer one evaluation; answers whether the runner has decided to stop the trial."""
+        """Buffer one evaluation (waiting while the buffer is full); answers whether the
+        runner has decided to stop the trial."""
+        await self._room()
         self._batch.reports.append(msg)
         self._event.set()
         return msg.trial in self._stop
 
     async def ended(self, msg: End) -> None:
         """A member stopped, was handed back, or failed."""
+        await self._room()
         self._batch.ends.append(msg)
         self._event.set()
+
+    async def stats(self) -> tuple[int, int, int, int]:
+        """(messages held now, the most ever held, the bound, messages waiting for room)."""
+        return self._held, self._high_water, self._max, len(self._waiting)
 
     # ---- runner -> workers ------------------------------------------------------------------
 
@@ -104,6 +154,12 @@ class TrialInbox:
 
     def _take(self) -> Batch:
         batch, self._batch = self._batch, Batch()
+        self._held = 0
+        while self._waiting and self._held < self._max:  # the next in line get the room
+            turn = self._waiting.popleft()
+            if not turn.done():  # a cancelled call gave its place up
+                self._held += 1
+                turn.set_result(None)
         return batch
 
     async def drain(self) -> Batch:
@@ -139,6 +195,13 @@ class TrialInbox:
 TrialInboxActor = ray.remote(num_cpus=0)(TrialInbox)
 
 
+def max_concurrency(workers: int, slots: int) -> int:
+    """Concurrent calls the inbox actor must run so that calls waiting for room never keep
+    the runner's own calls (`fence`, `stop`, `assign`) from running: each member may have
+    `IN_FLIGHT` reports, its start and its end waiting, each worker one `take`."""
+    return max(1000, workers * slots * (IN_FLIGHT + 2) + workers + 64)
+
+
 class InboxReporter:
     """A `workers.engine.Reporter` that sends a member's evaluations to the inbox without
     waiting.
@@ -160,6 +223,10 @@ class InboxReporter:
         self.sent = 0
 
     def _send(self, step: int, points: list[Point]) -> None:
+        self._answers()
+        while len(self._pending) >= IN_FLIGHT:  # backpressure: the inbox is full
+            concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            self._answers()
         ref = self._inbox.put.remote(Report(self._trial, self.execution, step, points))
         self._pending.append(ref.future())  # a callback, not a blocking ray.get
         self.sent += 1
@@ -211,10 +278,15 @@ class InboxReporter:
 
 
 def wait_acks(futures: list[concurrent.futures.Future[Any]], timeout_s: float) -> None:
-    """Wait until the inbox has executed these calls; raise if one failed or timed out."""
-    done, not_done = concurrent.futures.wait(futures, timeout=timeout_s)
-    for fut in done:
-        if fut.exception() is not None:
-            raise fut.exception()  # type: ignore[misc]
-    if not_done:
-        raise TimeoutError(f"{len(not_done)} messages not received by the inbox")
+    """Wait until the inbox has executed these calls; raise if one failed, or if none was
+    taken in for `timeout_s` (a full inbox that the runner reads is slow, not stuck)."""
+    pending = set(futures)
+    while pending:
+        done, pending = concurrent.futures.wait(
+            pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        for fut in done:
+            if fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+        if not done:
+            raise TimeoutError(f"{len(pending)} messages not received by the inbox")

@@ -42,11 +42,13 @@ __all__ = [
 
 Index = Literal["none", "layer", "head"]
 # How one evaluation's values of the source series are reduced to one number.
-Within = Literal["one", "min", "mean", "last_layer"]
-# How the evaluations are reduced: the last one, the smallest over all of them, the
-# escaped/longest plateaus of the validation-loss curve (METRICS.md 5), a threshold on
-# another summary, the untrained model's evaluation (step 0), or the study's reference.
-Over = Literal["final", "min", "plateaus", "threshold", "init", "study"]
+# ("abs": the absolute value of the one value an evaluation has.)
+Within = Literal["one", "abs", "min", "max", "mean", "last_layer"]
+# How the evaluations are reduced: the last one, the smallest or the largest over all of
+# them (a running minimum or maximum), the escaped/longest plateaus of the validation-loss
+# curve (METRICS.md 5), a threshold on another summary, the untrained model's evaluation
+# (step 0), or the study's reference.
+Over = Literal["final", "min", "max", "plateaus", "threshold", "init", "study"]
 ValueType = Literal["float", "int", "bool"]
 
 
@@ -80,6 +82,8 @@ class Summary:
         says whether a violated constraint on it can still be undone (workers/stopping.py)."""
         if self.over == "min":
             return "down"
+        if self.over == "max":
+            return "up"
         if self.over == "init":
             return "fixed"
         return "any"
@@ -89,7 +93,9 @@ class Summary:
         """How it aggregates, in words: e.g. `final of mean over layers and heads`."""
         within = {
             "one": "",
+            "abs": " of the absolute value",
             "min": " of the min over layers and heads",
+            "max": " of the max over layers and heads",
             "mean": " of the mean over layers and heads",
             "last_layer": " of the last layer",
         }[self.within]
@@ -110,10 +116,18 @@ SERIES: tuple[Series, ...] = (
     Series(
         "qk_eig_mean_rank", "eigen-mean over the head's rank tr(W)/d_h (locater's target)", "head"
     ),
+    Series("qk_eff_eig_mean", "tr(G W G)/D, G = diag(gain of the Pre-LN norm before "
+           "attention); Pre-LN only", "head"),
+    Series("qk_eff_eig_var", "eigen-variance of the symmetric part of G W G; Pre-LN only",
+           "head"),
     Series("attn_top1_mass", "largest attention weight per row, rescaled: 0 uniform, 1 one key",
            "head"),
     Series("attn_target_mass", "attention mass on the answer's key position (tasks with one)",
            "head"),
+    Series("attn_logit_max", "largest |attention logit| of a head over the probe batch",
+           "head"),
+    Series("output_log_z", "mean log Z (logsumexp of the output logits) over the probe batch",
+           "none"),
 )  # fmt: skip
 
 SUMMARIES: tuple[Summary, ...] = (
@@ -161,6 +175,13 @@ SUMMARIES: tuple[Summary, ...] = (
     Summary("target_mass", "attention mass on the answer, mean over layers and heads, last "
             "evaluation (tasks with an answer key)",
             "float", "attn_target_mass", "mean", "final", False, True, True),
+    Summary("max_attn_logit", "largest |attention logit| of any layer and head, last evaluation",
+            "float", "attn_logit_max", "max", "final", False, True, True),
+    Summary("max_attn_logit_ever", "largest |attention logit| of any layer and head, any "
+            "evaluation",
+            "float", "attn_logit_max", "max", "max", False, True, True),
+    Summary("max_abs_output_log_z_ever", "largest |output_log_z| of any evaluation",
+            "float", "output_log_z", "abs", "max", False, True, True),
 )  # fmt: skip
 
 SERIES_NAMES: tuple[str, ...] = tuple(s.name for s in SERIES)

@@ -18,16 +18,19 @@ from workers.curves import detect_plateaus, ema, is_trapped, plateau_stats
 
 __all__ = [
     "attention_entropy",
+    "attention_logit_max",
     "attention_target_mass",
     "attention_top1_mass",
     "detect_plateaus",
     "ema",
     "is_trapped",
     "normalized_attention_entropy",
+    "output_log_z",
     "plateau_stats",
     "qk_eigen_stats",
     "qk_eig_mean_rank",
     "qk_eigen_stats_factored",
+    "qk_effective_eigen_stats",
     "qk_matrix",
     "qk_sym_moments",
     "rank_collapse_ratio",
@@ -162,6 +165,17 @@ def qk_eigen_stats_factored(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, Tensor]:
     return mean, sym_sq - mean.square()
 
 
+def qk_effective_eigen_stats(w_q: Tensor, w_k: Tensor, gain: Tensor) -> tuple[Tensor, Tensor]:
+    """`qk_eigen_stats` of the effective form diag(g) W diag(g), in O(d_h^2 D). [3]
+
+    Under Pre-LN the attention reads g * x_hat + b (x_hat the normalised token, g the norm's
+    gain), so the bilinear form in x_hat that sets the logits is diag(g) W diag(g), with W =
+    `qk_matrix(w_q, w_k)`; it is W with its D columns of w_q and w_k scaled by g, so the
+    factored path applies unchanged. `gain`: (D,), broadcast over (..., d_h, D) weights.
+    """
+    return qk_eigen_stats_factored(w_q * gain, w_k * gain)
+
+
 def qk_eig_mean_rank(w_q: Tensor, w_k: Tensor) -> Tensor:
     """tr(W) / d_h for (..., d_h, D) weights: the eigen-mean over the head's rank. [3, 4]
 
@@ -172,3 +186,32 @@ def qk_eig_mean_rank(w_q: Tensor, w_k: Tensor) -> Tensor:
     """
     d_h = w_q.shape[-2]
     return (w_q * w_k).sum(dim=(-2, -1)) / (math.sqrt(d_h) * d_h)
+
+
+def attention_logit_max(
+    q: Tensor, k: Tensor, causal: bool = True, scale: float | None = None
+) -> Tensor:
+    """Per head, the largest |z_ij| = |scale <q_i, k_j>| over batch, queries and the keys each
+    query may attend to: Tensor[H]. [9]
+
+    `q` (B, H, T, d_h) and `k` (B, H, S, d_h) as they enter the logits (after any QK norm and
+    rotary embedding); `scale` defaults to 1 / sqrt(d_h), a model with a temperature passes its
+    own. Under a causal mask query i sees keys j <= i + (S - T) (as `_keys_per_row` counts
+    them); masked logits never enter softmax and are left out. Computed in float32 or wider.
+    """
+    wide = torch.promote_types(q.dtype, torch.float32)
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    z = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * s  # (B, H, T, S)
+    mag = z.abs()
+    if causal:
+        t, n = z.shape[-2], z.shape[-1]
+        mask = torch.ones(t, n, dtype=torch.bool, device=z.device).triu(1 + n - t)
+        mag = mag.masked_fill(mask, 0.0)  # |z| >= 0: a masked 0 never exceeds a kept value
+    return mag.amax(dim=(0, 2, 3))
+
+
+def output_log_z(logits: Tensor) -> Tensor:
+    """Mean over batch and positions of log Z_t = logsumexp_v y_tv of (B, T, V) output logits:
+    Tensor[] (0 when the logits are log-probabilities). Float32 or wider. [9]"""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.logsumexp(wide, dim=-1).mean()

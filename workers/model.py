@@ -9,9 +9,18 @@ eigenspectrum at initialisation (Bao et al. 2024), and the init scale of the MLP
 weights (`mlp_init_std`: Dong et al.'s MLP argument needs MLPs with a large
 Lipschitz constant, which GPT's std 0.02 does not give).
 
+The Llama-style options that the people who train large models use, and the interventions
+Wortsman et al. 2023 compare (issue 34), each off by default so the default model is exactly
+the GPT-2-style block above: RMSNorm wherever a norm stands (`norm_type`, and `qk_norm:
+rmsnorm`), rotary position embeddings on q and k after the QK norm (`position: rotary`, no
+position embedding then), a SwiGLU MLP (`mlp_type`), and sigma-reparam of every linear layer
+of every block (`sigma_reparam: all`). z-loss and the optimizer's decay form are training
+options (workers/engine.py, workers/regularizers.py).
+
 `GPT.forward` is the training path (fused `scaled_dot_product_attention`);
 `GPT.probe` recomputes attention explicitly and returns every layer's attention
-probabilities and hidden states for the metrics. No I/O lives here.
+probabilities, hidden states and the q, k its logits came from, for the metrics. No I/O
+lives here.
 """
 
 from __future__ import annotations
@@ -28,11 +37,43 @@ from workers.config import BLOCK_PRESETS, BlockPreset, ModelConfig
 __all__ = [
     "BLOCK_PRESETS",
     "GPT",
+    "ROPE_BASE",
     "BlockPreset",
     "ModelConfig",
     "ProbeOutput",
     "SigmaReparamLinear",
+    "apply_rotary",
+    "make_norm",
+    "rotary_tables",
 ]
+
+ROPE_BASE = 10000.0
+"""The base of the rotary embeddings' frequencies (RoFormer, Llama)."""
+
+
+def rotary_tables(
+    t: int, d_head: int, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles, two (T, d_head) tables: position p, pair i turns by
+    p / ROPE_BASE^(2i / d_head), the two halves of a head holding the pairs' two coordinates
+    (the rotate-half form). Computed in float64, rounded once to `dtype`."""
+    inv = ROPE_BASE ** -(
+        torch.arange(0, d_head, 2, dtype=torch.float64, device=device) / d_head
+    )  # (d_h / 2,)
+    ang = torch.arange(t, dtype=torch.float64, device=device)[:, None] * inv[None]  # (T, d_h/2)
+    ang = torch.cat([ang, ang], dim=-1)  # (T, d_h)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each head's (x_i, x_{i + d_h/2}) pairs by the position's angles: x (..., T, d_h)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def make_norm(kind: str, d: int) -> nn.Module:
+    """A LayerNorm (weight and bias) or an RMSNorm (weight only) over the last `d` features."""
+    return nn.RMSNorm(d) if kind == "rmsnorm" else nn.LayerNorm(d)
 
 
 @dataclass
@@ -43,6 +84,9 @@ class ProbeOutput:
     attn: list[Tensor]  # per block: (B, H, T, T), rows sum to 1, masked entries exactly 0
     # (no entry is masked when the model is not causal)
     hidden: list[Tensor]  # L + 1 entries: (B, T, D); 0 is the embedding, l the output of block l
+    # per block, q and k as they enter the logits (after QK norm and rotary): (B, H, T, d_h)
+    qk: list[tuple[Tensor, Tensor]]
+    scale: float  # the logits' scale, 1 / (sqrt(d_h) * attn_temperature)
 
 
 class SigmaReparamLinear(nn.Module):
@@ -110,15 +154,18 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.d_head = cfg.n_heads, cfg.d_head
-        sigma = cfg.qk_norm == "sigma_reparam"
+        every = cfg.sigma_reparam == "all"
+        sigma = cfg.qk_norm == "sigma_reparam" or every
         self.q_proj = _linear(cfg.d_model, cfg.d_model, sigma)
         self.k_proj = _linear(cfg.d_model, cfg.d_model, sigma)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.v_proj = _linear(cfg.d_model, cfg.d_model, every)
+        self.out_proj = _linear(cfg.d_model, cfg.d_model, every)
         self.q_norm: nn.Module = nn.Identity()
         self.k_norm: nn.Module = nn.Identity()
-        if cfg.qk_norm == "layernorm":
-            self.q_norm, self.k_norm = nn.LayerNorm(cfg.d_head), nn.LayerNorm(cfg.d_head)
+        if cfg.qk_norm in ("layernorm", "rmsnorm"):
+            self.q_norm = make_norm(cfg.qk_norm, cfg.d_head)
+            self.k_norm = make_norm(cfg.qk_norm, cfg.d_head)
+        self.rotary = cfg.position == "rotary"
         self.scale = 1.0 / (math.sqrt(cfg.d_head) * cfg.attn_temperature)
         self.dropout = cfg.dropout
         self.causal = cfg.causal
@@ -135,7 +182,11 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_h)
         k = self.k_proj(x).view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_h)
         v = self.v_proj(x).view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_h)
-        return self.q_norm(q), self.k_norm(k), v
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary:  # after the QK norm, per head
+            cos, sin = rotary_tables(t, self.d_head, x.device, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
 
     def _merge(self, y: Tensor) -> Tensor:
         b, h, t, dh = y.shape
@@ -150,8 +201,9 @@ class CausalSelfAttention(nn.Module):
         )  # (B, H, T, d_h)
         return self._merge(y)
 
-    def probe(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Attention computed explicitly: output (B, T, D) and probabilities (B, H, T, T).
+    def probe(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Attention computed explicitly: output (B, T, D), probabilities (B, H, T, T), and
+        the q, k (B, H, T, d_h) the logits were made from (for the logit probe).
 
         The softmax runs in float32 or wider (float64 stays float64); without the causal
         mask every row spans all T keys."""
@@ -163,18 +215,28 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
             logits = logits.masked_fill(mask, float("-inf"))
         attn = logits.softmax(dim=-1)  # (B, H, T, T)
-        return self._merge(attn.to(v.dtype) @ v), attn
+        return self._merge(attn.to(v.dtype) @ v), attn, q, k
 
 
 class MLP(nn.Module):
+    """proj(gelu(fc x)), or SwiGLU: fc makes gate and up (d_ff each), proj(silu(gate) * up)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.swiglu = cfg.mlp_type == "swiglu"
+        every = cfg.sigma_reparam == "all"
+        self.fc = _linear(cfg.d_model, cfg.d_ff * (2 if self.swiglu else 1), every)
+        self.proj = _linear(cfg.d_ff, cfg.d_model, every)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        y: Tensor = self.drop(self.proj(F.gelu(self.fc(x))))  # (B, T, D)
+        h = self.fc(x)  # (B, T, d_ff) or (B, T, 2 d_ff)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        y: Tensor = self.drop(self.proj(h))  # (B, T, D)
         return y
 
 
@@ -187,8 +249,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.mlp = MLP(cfg) if cfg.mlp else None
         use_norm = cfg.norm != "none"
-        self.ln1: nn.Module = nn.LayerNorm(cfg.d_model) if use_norm else nn.Identity()
-        self.ln2: nn.Module = nn.LayerNorm(cfg.d_model) if use_norm else nn.Identity()
+        self.ln1: nn.Module = make_norm(cfg.norm_type, cfg.d_model) if use_norm else nn.Identity()
+        self.ln2: nn.Module = make_norm(cfg.norm_type, cfg.d_model) if use_norm else nn.Identity()
         self.drop = nn.Dropout(cfg.dropout)
 
     def _residual(self, x: Tensor, out: Tensor, ln: nn.Module, skip: bool) -> Tensor:
@@ -196,19 +258,21 @@ class Block(nn.Module):
         y = x + out if skip else out
         return ln(y) if self.cfg.norm == "post" else y
 
-    def _run(self, x: Tensor, probe: bool) -> tuple[Tensor, Tensor | None]:
+    def _run(self, x: Tensor, probe: bool) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+        """The block's output and, when probing, its (attention, q, k)."""
         pre = self.cfg.norm == "pre"
-        attn_map: Tensor | None = None
+        probed: tuple[Tensor, Tensor, Tensor] | None = None
         a_in = self.ln1(x) if pre else x
         if probe:
-            a_out, attn_map = self.attn.probe(a_in)
+            a_out, attn_map, q, k = self.attn.probe(a_in)
+            probed = (attn_map, q, k)
         else:
             a_out = self.attn(a_in)
         x = self._residual(x, self.drop(a_out), self.ln1, self.cfg.skip)
         if self.mlp is not None:
             m_out = self.mlp(self.ln2(x) if pre else x)
             x = self._residual(x, m_out, self.ln2, self.cfg.mlp_residual)
-        return x, attn_map
+        return x, probed
 
     def forward(self, x: Tensor) -> Tensor:
         return self._run(x, probe=False)[0]
@@ -219,10 +283,12 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size, self.seq_len = cfg, vocab_size, seq_len
         self.tok_emb = nn.Embedding(vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(seq_len, cfg.d_model)
+        # rotary positions live in the attention: no position embedding then
+        self.pos_emb = nn.Embedding(seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f: nn.Module = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+        pre = cfg.norm == "pre"
+        self.ln_f: nn.Module = make_norm(cfg.norm_type, cfg.d_model) if pre else nn.Identity()
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying, as in nanoGPT
         self._init_weights()
@@ -249,18 +315,52 @@ class GPT(nn.Module):
             for proj in (block.attn.q_proj, block.attn.k_proj):
                 assert isinstance(proj, nn.Linear | SigmaReparamLinear)
                 nn.init.normal_(proj.weight, mean=0.0, std=self.cfg.qk_init_std)
-                if isinstance(proj, SigmaReparamLinear):
-                    proj.reset_gamma()
+        if self.cfg.init_scheme == "token_scale":
+            self._rescale_for_token_scale()
+        if self.cfg.embed_scale == "sqrt_d":  # fairseq: std 1/sqrt(D), no extra draw
+            with torch.no_grad():
+                self.tok_emb.weight.mul_(self.cfg.d_model**-0.5 / 0.02)
+        for module in self.modules():  # draws nothing: the draws above are as they were
+            if isinstance(module, SigmaReparamLinear):  # gamma = sigma(W) of the final W
+                module.reset_gamma()
+
+    @torch.no_grad()
+    def _rescale_for_token_scale(self) -> None:
+        """`init_scheme: token_scale` (workers/config.py): rescale the GPT draws, drawing
+        nothing more, so the default init stays bit-identical and the RNG stream unchanged."""
+        for emb in (self.tok_emb, self.pos_emb):  # the tied head scales with tok_emb
+            if emb is not None:  # no learned positions under rotary
+                emb.weight.mul_(math.sqrt(0.5) / 0.02)
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            for proj in (block.attn.v_proj, block.attn.out_proj):
+                assert isinstance(proj, nn.Linear | SigmaReparamLinear)
+                proj.weight.mul_(1.0 / (math.sqrt(self.cfg.d_model) * 0.02))
 
     def qk_weights(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer, the effective (H, d_h, D) query and key weights."""
         return [block.attn.qk_weights() for block in self.blocks if isinstance(block, Block)]
 
+    def qk_input_gains(self) -> list[Tensor | None]:
+        """Per layer, the gain g (D,) of the norm the attention reads under Pre-LN (its
+        `ln1`, LayerNorm or RMSNorm), else None: under Post-LN or no norm nothing stands
+        between the block's input and its attention. docs/metrics.md section 3."""
+        gains: list[Tensor | None] = []
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            weight = getattr(block.ln1, "weight", None) if self.cfg.norm == "pre" else None
+            gains.append(weight if isinstance(weight, Tensor) else None)
+        return gains
+
     def _embed(self, idx: Tensor) -> Tensor:
         t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
-        x: Tensor = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, D)
-        return x
+        x: Tensor = self.tok_emb(idx)  # (B, T, D)
+        if self.cfg.embed_scale == "sqrt_d":  # fairseq's embed_scale, before the positions
+            x = x * math.sqrt(self.cfg.d_model)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(t, device=idx.device))
+        out: Tensor = self.drop(x)
+        return out
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits (B, T, V) and, with targets (-100 = ignored), the mean cross-entropy."""
@@ -280,11 +380,15 @@ class GPT(nn.Module):
     def probe(self, idx: Tensor) -> ProbeOutput:
         """Forward with explicit attention; returns attention maps and hidden states."""
         x = self._embed(idx)
-        hidden, attn = [x], []
+        hidden, attn, qk = [x], [], []
+        scale = 0.0
         for block in self.blocks:
             assert isinstance(block, Block)
-            x, a = block._run(x, probe=True)
-            assert a is not None
+            x, probed = block._run(x, probe=True)
+            assert probed is not None
             hidden.append(x)
-            attn.append(a)
-        return ProbeOutput(logits=self.head(self.ln_f(x)), attn=attn, hidden=hidden)
+            attn.append(probed[0])
+            qk.append((probed[1], probed[2]))
+            scale = block.attn.scale
+        logits = self.head(self.ln_f(x))  # (B, T, V)
+        return ProbeOutput(logits=logits, attn=attn, hidden=hidden, qk=qk, scale=scale)

@@ -30,6 +30,7 @@ __all__ = [
     "locater_penalty",
     "model_penalty",
     "spectral_variance_penalty",
+    "z_loss",
 ]
 
 # Version of the penalty definitions below; every trial records the version that trained it.
@@ -90,3 +91,20 @@ def model_penalty(
     if kind == "spectral_variance":
         return spectral_variance_penalty(w_q, w_k).mean()
     return locater_penalty(w_q, w_k, target_mean).mean()
+
+
+def z_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """mean_t (log Z_t)^2 over the positions that have a target (z-loss, docs/metrics.md
+    section 9, without its coefficient): logits (..., B, T, V), targets (..., B, T) with -100
+    where there is none; the result keeps the leading dims (a fused model's member axis).
+
+    In float32 or wider with autocast disabled, as PaLM and Wortsman et al. compute it: the
+    squared log-normaliser of large logits loses its digits in bfloat16. A position without
+    a target contributes nothing (not 0 * an overflowing term).
+    """
+    with torch.autocast(logits.device.type, enabled=False):
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        log_z = torch.logsumexp(wide, dim=-1)  # (..., B, T)
+        keep = targets != -100
+        sq = torch.where(keep, log_z.square(), torch.zeros_like(log_z))
+        return sq.sum(dim=(-2, -1)) / keep.sum(dim=(-2, -1)).to(sq.dtype)

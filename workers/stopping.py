@@ -60,11 +60,30 @@ class StopRule:
 
 
 class Stopper:
-    """One trial's rules and how long each has been violated."""
+    """One trial's rules and how long each has been violated.
+
+    The counts are part of the trial's checkpoint (`state`, `restore`): a trial resumed
+    after a crash, a relaunch or a hand-back goes on counting where its checkpoint left
+    off, so that being relaunched never resets a run of violations.
+    """
 
     def __init__(self, rules: list[StopRule]) -> None:
         self.rules = rules
         self._held = [0] * len(rules)
+
+    def state(self) -> list[tuple[tuple[str, str, float, int], int]]:
+        """Each rule (as plain values) with its count of violations in a row, for a
+        checkpoint."""
+        return [
+            ((r.metric, r.op, r.bound, r.patience), held)
+            for r, held in zip(self.rules, self._held, strict=True)
+        ]
+
+    def restore(self, state: list[Any] | None) -> None:
+        """The counts a checkpoint saved (`state`); a rule the checkpoint does not name (a
+        checkpoint from before counts were saved, another bound) starts from 0."""
+        saved = {tuple(rule): int(held) for rule, held in state or []}
+        self._held = [saved.get((r.metric, r.op, r.bound, r.patience), 0) for r in self.rules]
 
     def check(self, step: int, summary: Any) -> str | None:
         """The reason to stop after the evaluation at `step`, given the trial's summary as if

@@ -6,11 +6,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError, PendingRollbackError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.schemas import ErrorBody, FieldError
+from service.store.session import DatabaseUnavailable, database_away
 
-__all__ = ["ApiError", "install_error_handlers", "validation_errors"]
+__all__ = ["RETRY_AFTER_S", "ApiError", "install_error_handlers", "validation_errors"]
+
+RETRY_AFTER_S = 5  # what a 503 asks a client to wait while the database is away
 
 
 class ApiError(Exception):
@@ -69,3 +73,31 @@ def install_error_handlers(app: FastAPI) -> None:
             ErrorBody(error=kind, message=str(exc.detail)),
             headers=getattr(exc, "headers", None),
         )
+
+    async def _database(request: Request, exc: Exception) -> JSONResponse:
+        """The database is away (a refused or dropped connection): 503 with Retry-After, so
+        clients wait and retry instead of taking a 500 for a bug. Any other database error
+        goes on to the 500 handler."""
+        if not database_away(exc):
+            raise exc
+        if (health := getattr(request.app.state, "db_health", None)) is not None:
+            health.saw(exc)  # /healthz says so at once, until the next probe answers
+        return _json(
+            503,
+            ErrorBody(
+                error="database_unavailable",
+                message="the database is unreachable; retry later",
+            ),
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    # Optuna's storage wraps them (StorageInternalError ... from e): database_away reads the
+    # chain, and a handler for Exception would only run after Starlette's 500 (re-raised).
+    for cls in (DBAPIError, PendingRollbackError, DatabaseUnavailable, _optuna_storage_error()):
+        app.add_exception_handler(cls, _database)
+
+
+def _optuna_storage_error() -> type[Exception]:
+    from optuna.exceptions import StorageInternalError
+
+    return StorageInternalError

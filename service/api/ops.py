@@ -49,8 +49,12 @@ def install_ops(app: FastAPI, registry: CollectorRegistry, tokens: bool) -> None
         return get_swagger_ui_html(openapi_url="/openapi.json", title="qkscope API")
 
     @app.get("/healthz", tags=["ops"])
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> dict[str, str]:
+        """200 while the API process serves, on the event loop itself (no I/O: it answers
+        while every worker thread is busy); `database` says whether the API reaches the
+        database (up, down, unknown before the first probe), from the background probe's
+        last result (service/control/db_health.py), never from a query here."""
+        return app.state.db_health.report()  # type: ignore[no-any-return]
 
     @app.get(
         "/metrics",

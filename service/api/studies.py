@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Annotated, Any
 
+import anyio
+import anyio.to_thread
 import yaml
 from fastapi import APIRouter, Header, Path, Query, Request, Response, status
 from pydantic import Field, ValidationError
@@ -15,12 +18,16 @@ from service.api.deps import LauncherDep, SessionDep, SettingsDep, StoreDep
 from service.api.errors import ApiError, validation_errors
 from service.api.openapi import error, not_found
 from service.api.schemas import FieldError, Page, StudyOut, TrialOut
+from service.config import Settings
 from service.control.cancel import cancel_study
 from service.control.launch import launch_study
+from service.control.ray_cluster import JobLauncher
 from service.read import queries
 from service.resources import unmet
 from service.spec import SpecError, StudySpec, check_data_dirs, check_limits, parse_spec
+from service.store import Store
 from service.store.models import Study, StudyStatus, Trial, TrialState
+from service.store.session import session_scope
 
 __all__ = ["router"]
 
@@ -122,14 +129,44 @@ async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
 async def submit_study(
     request: Request,
     response: Response,
-    session: SessionDep,
     settings: SettingsDep,
-    launcher: LauncherDep,
     store: StoreDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> StudyOut:
-    """Validate a study definition (JSON or YAML), store it, and start its Ray job."""
+    """Validate a study definition (JSON or YAML), store it, and start its Ray job.
+
+    Only reading the body happens on the event loop. Everything that may block (the data
+    directory's symlinks, the limits, Ray's node list, the database, the job submission:
+    up to `JOB_SERVER_TIMEOUT_S` when Ray is slow) runs in a worker thread, under a limiter
+    of its own (`SUBMIT_THREADS`), so a slow Ray neither stalls the loop (`/healthz`) nor
+    takes every thread of the pool that serves the other routes."""
     spec = await _read_spec(request, settings.max_body_bytes)
+    limiter: anyio.CapacityLimiter = request.app.state.submit_limiter
+    row, created = await anyio.to_thread.run_sync(
+        functools.partial(
+            _store_and_launch, spec, settings, store, request.app.state, idempotency_key
+        ),
+        limiter=limiter,
+    )
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return row
+
+
+# POSTs that may wait on Ray at once (each holds a thread of their own limiter).
+SUBMIT_THREADS = 16
+
+
+def _store_and_launch(
+    spec: StudySpec,
+    settings: Settings,
+    store: Store,
+    state: Any,
+    idempotency_key: str | None,
+) -> tuple[StudyOut, bool]:
+    """The blocking part of a POST, in order: checks, the row committed PENDING, then (only
+    then) the Ray job submitted; a submit that fails or times out leaves the study PENDING
+    for the reconciler. Returns the study and whether it was created."""
     path_errors = check_data_dirs(spec, settings.data_dir)
     if path_errors:
         errors = [FieldError(field=e.field, message=e.message) for e in path_errors]
@@ -140,12 +177,14 @@ async def submit_study(
         max_steps=settings.max_steps,
         max_params=settings.max_params,
         max_memory=settings.max_trial_memory_bytes,
+        limits=settings.limits(),
     )
     if limit_errors:
         errors = [FieldError(field=e.field, message=e.message) for e in limit_errors]
         raise ApiError(422, "limit_exceeded", "; ".join(str(e) for e in limit_errors), errors)
+    launcher: JobLauncher | None = state.launcher()  # connects on first use
     if launcher is not None and settings.check_resources:
-        nodes = await run_in_threadpool(launcher.node_resources)
+        nodes = launcher.node_resources()
         unmet_ = unmet(spec.resources.cpus, spec.resources.gpus, nodes) if nodes else []
         if unmet_:
             raise ApiError(
@@ -156,8 +195,7 @@ async def submit_study(
             )
     row, created = store.studies.create(spec, idempotency_key)
     if not created:
-        response.status_code = status.HTTP_200_OK
-        return StudyOut.of(row)
+        return StudyOut.of(row), False
     if launcher is not None:
         try:
             launch_study(store, launcher, settings, row.id, seen_attempts=0)
@@ -166,7 +204,8 @@ async def submit_study(
             store.studies.mark_ray_unreachable(settings.ray_address, e, study_id=row.id)
     elif settings.ray_address:  # the job server did not answer when we last tried
         store.studies.mark_ray_unreachable(settings.ray_address, "no connection", study_id=row.id)
-    return StudyOut.of(_get_study(session, row.id))
+    with session_scope(state.sessions) as session:
+        return StudyOut.of(_get_study(session, row.id)), True
 
 
 @router.get("/studies", response_model=Page[StudyOut])

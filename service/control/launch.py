@@ -13,7 +13,7 @@ import logging
 from datetime import UTC
 
 from service.config import Settings
-from service.control.ray_cluster import JobLauncher, job_id_for
+from service.control.ray_cluster import JOB_SERVER_TIMEOUT_S, JobLauncher, job_id_for
 from service.store import Store
 from service.store.models import StudyStatus, TrialState, utcnow
 from service.store.optuna import optuna_storage
@@ -31,7 +31,10 @@ def runner_env(settings: Settings) -> dict[str, str]:
     dashboard) to every holder of the Ray token. The runner reads the URL from a file or
     from its node's environment (`Settings.runner_database_url_file`).
     """
-    env = {"QKSCOPE_CHECKPOINT_DIR": settings.resolved_checkpoint_dir()}
+    env = {
+        "QKSCOPE_CHECKPOINT_DIR": settings.resolved_checkpoint_dir(),
+        "QKSCOPE_DB_OUTAGE_S": str(settings.db_outage_s),
+    }
     if url_file := settings.runner_database_url_file():
         env["QKSCOPE_DATABASE_URL_FILE"] = url_file
     if settings.data_dir:
@@ -87,7 +90,10 @@ def reconcile(
     with the last job status instead of being resubmitted forever. Returns how many jobs
     were submitted. Called periodically by the service.
     """
-    close_leftovers(store, settings)
+    try:  # closing is never a reason to skip this round's launches
+        close_leftovers(store, settings)
+    except Exception:
+        log.exception("reconcile: closing the trials ended studies left open failed")
     rows = store.studies.live()
     if not rows:
         return 0
@@ -102,8 +108,13 @@ def reconcile(
     now = utcnow()
     for study_id, status, job_id, created_at, attempts in rows:
         created = created_at if created_at.tzinfo else created_at.replace(tzinfo=UTC)
-        if job_id is None and (now - created).total_seconds() < grace_s:
+        age = (now - created).total_seconds()
+        if job_id is None and age < grace_s:
             continue  # the POST that created it is still submitting its job
+        if status == StudyStatus.PENDING and grace_s > 0 and age < _in_flight_s(grace_s):
+            # The POST recorded the job id and is submitting it in a thread of its own: Ray's
+            # job list does not show it yet, which is no sign that it was lost.
+            continue
         job_status = jobs.get(job_id) if job_id else None
         if job_status in ALIVE:
             continue
@@ -119,6 +130,12 @@ def reconcile(
         except Exception as e:  # Ray unreachable: try again next round
             log.warning("study %s: submit failed: %s", study_id, e)
     return submitted
+
+
+def _in_flight_s(grace_s: float) -> float:
+    """How long after its creation a PENDING study's job may still be on its way to Ray: one
+    request to the job server at most (JOB_SERVER_TIMEOUT_S), after the POST's commit."""
+    return max(grace_s, JOB_SERVER_TIMEOUT_S + 5.0)
 
 
 def give_up(
@@ -146,8 +163,10 @@ def give_up(
 
 def close_leftovers(store: Store, settings: Settings) -> int:
     """End the QUEUED/RUNNING trials (ours and Optuna's) of studies that are FAILED or
-    CANCELLED: a runner that failed because the database did could not end them itself, and
-    a cancel can be cut off half way. Returns how many studies it closed."""
+    CANCELLED: a runner that failed could not end them itself, a cancel can be cut off half
+    way, and a close whose Optuna step failed left Optuna's RUNNING (found again next round,
+    `ended_with_open_trials`). A study whose close fails is logged and retried next round;
+    the others are still closed. Returns how many studies it found."""
     leftovers = store.studies.ended_with_open_trials()
     if not leftovers:
         return 0
@@ -158,7 +177,11 @@ def close_leftovers(store: Store, settings: Settings) -> int:
                 state, reason = TrialState.CANCELLED, "study cancelled"
             else:
                 state, reason = TrialState.FAILED, f"study failed: {(error or '').strip()[:200]}"
-            n = store.trials.finish_open(study_id, state, reason, storage)
+            try:  # one study's failure never keeps the others open (the next round retries)
+                n = store.trials.finish_open(study_id, state, reason, storage)
+            except Exception:
+                log.exception("study %s is %s: closing its open trials failed", study_id, status)
+                continue
             log.warning("study %s is %s: closed %d trials it left open", study_id, status, n)
     finally:
         storage.engine.dispose()

@@ -279,7 +279,7 @@ class JobLauncher:
         records it first) or a new one."""
         job_id = job_id or job_id_for(study_id, attempt)
         self._client.submit_job(
-            entrypoint=f"python -m service.runner {study_id}",
+            entrypoint=f"python -m service.runner {study_id} {attempt}",
             submission_id=job_id,
             runtime_env={"env_vars": env},
             metadata={"qkscope_study": str(study_id), "attempt": str(attempt)},

@@ -1,4 +1,4 @@
-"""The study runner: the Ray Job that runs one study (`python -m service.runner <id>`).
+"""The study runner: the Ray Job that runs one study (`python -m service.runner <id> <attempt>`).
 
 Read it in this order: `loop.py` (schedule -> run -> post-process), `records.py` (a trial's
 record and its status), `scheduler.py` (the only owner of that status: waiting queue, slot

@@ -91,17 +91,20 @@ def slot_key(spec: StudySpec, config: TrialConfig, number: int) -> tuple[str, in
     return fusion_key(config), spec.slots
 
 
-def stop_rules(spec: StudySpec) -> tuple[StopRule, ...]:
+def stop_rules(spec: StudySpec, steps: int | None = None) -> tuple[StopRule, ...]:
     """The study's constraints as rules a worker checks at every evaluation (none with
     `pruner.stop_infeasible: false`): a violation that can never be undone stops the trial
-    at that evaluation; any other after `pruner.infeasible_patience` in a row."""
+    at that evaluation; any other after `pruner.infeasible_patience` in a row. `steps`: the
+    trial's own (a searched `steps`; the base config's when None), what a constraint's
+    `fraction_of_steps` is a fraction of."""
+    steps = spec.base.steps if steps is None else steps
     if not spec.pruner.stop_infeasible:
         return ()
     rules = []
     for c in spec.constraints:
         if not SUMMARY_BY_NAME[c.metric].intermediate:
             continue
-        bound = c.value if c.value is not None else (c.fraction_of_steps or 0.0) * spec.base.steps
+        bound = c.value if c.value is not None else (c.fraction_of_steps or 0.0) * steps
         patience = spec.pruner.infeasible_patience if can_recover(c.metric, c.op) else 1
         rules.append(StopRule(c.metric, c.op, float(bound), patience))
     return tuple(rules)

@@ -8,8 +8,11 @@
   (service/runner/results.py, service/store/); relaunch what a lost worker held.
 
 Every row goes through the store (service/store/), every Optuna call through `Search`, every
-Ray call through the pool; the scheduler alone moves a trial's status. A rerun of the same
-study (after the job or the cluster died) picks up where the database says it stopped:
+Ray call through the pool; the scheduler alone moves a trial's status. Every write is fenced
+by the runner's job attempt (service/store/fence.py): once another attempt of the study was
+launched, the next write raises `Superseded` and changes nothing, and Optuna hears only what
+a fenced write recorded first. A rerun of the same study (after the job or the cluster
+died) picks up where the database says it stopped:
 trials that were running are relaunched with the same parameters and resume from their
 checkpoints; a trial our table recorded but Optuna never heard of is told as recorded.
 """
@@ -34,13 +37,14 @@ from service.runner.scheduler import Scheduler
 from service.runner.search import Search
 from service.runner.waiting import WaitingReason
 from service.spec import SpecError, StudySpec
-from service.store import Store
+from service.store import Fence, Store
 from service.store.models import OPEN_TRIAL_STATES, StudyStatus, TrialState
 from service.store.optuna import optuna_storage
-from service.store.session import make_sessionmaker
+from service.store.session import make_sessionmaker, with_retry
 from service.store.studies import TERMINAL
 from workers.config import TrialConfig
 from workers.messages import Batch, Failed
+from workers.stopping import StopRule
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -55,20 +59,26 @@ FLUSH_TIMEOUT_S = 60.0  # a finished trial waits at most this long for its last 
 class StudyRunner:
     """One study's control loop. All database, Optuna and Ray calls happen on this thread."""
 
-    def __init__(self, study_id: int, settings: Settings, engine: Engine) -> None:
+    def __init__(
+        self, study_id: int, settings: Settings, engine: Engine, attempt: int | None = None
+    ) -> None:
+        """`attempt`: the job attempt this runner was launched as (the entrypoint's); None
+        (run by hand): the study's current one."""
         self.study_id, self.settings = study_id, settings
-        self.store = Store(make_sessionmaker(engine))
-        row = self.store.studies.get(study_id)
+        reader = Store(make_sessionmaker(engine))  # unfenced: it only reads the study row
+        row = reader.studies.get(study_id)
         if row is None:
             raise LookupError(f"study {study_id} not found")
         self.spec = StudySpec.model_validate(row.spec)
         self.status = StudyStatus(row.status)
-        self.attempt = row.job_attempts  # this runner's job attempt (0: run by hand)
+        # this runner's job attempt (0: run by hand, never launched); every write it makes
+        # holds only while that is the study's current attempt (service/store/fence.py)
+        self.attempt = row.job_attempts if attempt is None else attempt
+        self.store = Store(reader.sessions, Fence(study_id, self.attempt))
         # whose checkpoints: a new study with the same id (a reset database) is another
         self.owner = f"study-{study_id}@{row.created_at.isoformat()}"
         self.storage = optuna_storage(settings.resolved_database_url())
         self.search = Search(self.spec, study_id, self.storage)
-        self.stop_rules = configs.stop_rules(self.spec)
         self.waiting = WaitingReason(self.spec, self.store.studies, study_id)
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -77,7 +87,7 @@ class StudyRunner:
         if self.status in TERMINAL:
             return self.status
         self.store.studies.set_status(self.study_id, StudyStatus.RUNNING)
-        self.pool = RayPool(self.spec)
+        self.pool = RayPool(self.spec, self.settings.inbox_max_messages)
         self.scheduler = Scheduler(self.spec, self.study_id, self.pool)
         self.reports = Reports(self.spec, self.store.trials, self.search, self.pool.stop_trial)
         try:
@@ -103,7 +113,7 @@ class StudyRunner:
     def _started_at(self) -> float:
         """When the study first started (unix time): `budget.timeout_s` counts from there,
         not from this runner's start (a relaunched runner must not restart the clock)."""
-        row = self.store.studies.get(self.study_id)
+        row = with_retry(lambda: self.store.studies.get(self.study_id), "read study")
         started = row.started_at if row is not None else None
         if started is None:
             return time.time()
@@ -154,6 +164,7 @@ class StudyRunner:
     # ---- trials in and out ---------------------------------------------------------------
 
     def _ask(self) -> None:
+        self.store.studies.check_current()  # a stale runner asks Optuna for nothing
         trial = self.search.ask(
             self.scheduler.records.keys(),
             lambda numbers: self.store.trials.recorded_numbers(self.study_id, numbers),
@@ -187,12 +198,13 @@ class StudyRunner:
     def _record(
         self, trial: optuna.Trial, row_id: int, params: dict[str, Any], config: TrialConfig | None
     ) -> TrialRecord:
-        key, slots = (
-            ("", 1) if config is None else configs.slot_key(self.spec, config, trial.number)
-        )
-        return TrialRecord(
-            trial, row_id, params, config, key=key, slots=slots, stop_rules=self.stop_rules
-        )
+        rules: tuple[StopRule, ...] = ()
+        if config is None:
+            key, slots = "", 1
+        else:
+            key, slots = configs.slot_key(self.spec, config, trial.number)
+            rules = configs.stop_rules(self.spec, config.steps)  # its own steps
+        return TrialRecord(trial, row_id, params, config, key=key, slots=slots, stop_rules=rules)
 
     def _resume(self) -> list[TrialRecord]:
         """Trials Optuna still has RUNNING after a dead runner: relaunched, told as our
@@ -210,7 +222,7 @@ class StudyRunner:
             if state in (TrialState.FAILED, TrialState.CANCELLED):
                 self.search.tell_failed(trial)
             elif state not in OPEN_TRIAL_STATES:
-                j = judge_stored(self.spec, state, row.summary, row.values)
+                j = judge_stored(self.spec, state, row.summary, row.values, dict(row.params))
                 self.search.tell(trial, j.outcome)
                 log.info("trial %d was recorded %s before the runner died", row.number, state)
             else:
@@ -241,6 +253,7 @@ class StudyRunner:
                 end.summary,
                 lambda: self.store.trials.best_final_val_loss(self.study_id),
                 rec.prune_reason,
+                rec.config.steps if rec.config is not None else None,
             )
             row = result_row(judged, end, time.monotonic() - rec.launched)
             if self.store.trials.record_result(rec.row_id, row):

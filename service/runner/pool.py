@@ -6,25 +6,36 @@ are the runner's to relaunch (service/runner/scheduler.py), each from its own ch
 Everything a worker says arrives through one stream of inbox batches; `wait` returns them
 together with the workers whose task ended, and reads the inbox up to each such end first
 (`TrialInbox.fence`), so a worker's end is always handled after its last message.
+
+However far the stream lags behind the inbox, a worker's end waits for it: it is held back
+(the loop goes on: cancels, other workers) until the stream has delivered everything the
+inbox had when the worker ended, never handed over early after a timeout. Handed over
+early, the end of a member still on its way would have put that member back in the queue,
+or failed it with `max_retries: 0`, although it had completed (issue 32 item 7). A lag past
+`FENCE_TIMEOUT_S` is logged; a dead inbox ends the stream with an error instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from service.spec import StudySpec
-from workers.inbox import TrialInboxActor
+from service.spec import MAX_FUSE, StudySpec
+from workers.inbox import MAX_MESSAGES, STREAM_AHEAD, TrialInboxActor, max_concurrency
 from workers.messages import Assignment, Batch, WorkerDone
 from workers.slot_worker import run_slot_worker_task
 
 __all__ = ["FENCE_TIMEOUT_S", "Ended", "RayPool"]
 
+log = logging.getLogger("qkscope.runner")
 _worker_task = ray.remote(run_slot_worker_task)
-FENCE_TIMEOUT_S = 60.0  # how long the stream may lag the inbox at a worker's end
+FENCE_TIMEOUT_S = 60.0  # a stream that lags a worker's end longer than this is logged
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,19 +47,46 @@ class Ended:
     error: str | None
 
 
+@dataclass(slots=True)
+class _Fence:
+    """Workers that ended, held back until the stream has yielded `upto` batches: then
+    `pending` (what the inbox held at their end, newer than those batches) and they are
+    handed over."""
+
+    upto: int
+    pending: Batch
+    ended: list[Ended]
+    since: float = field(default_factory=time.monotonic)
+    warned: bool = False
+
+
 class RayPool:
     """The study's inbox actor and slot-worker tasks (the scheduler's `Pool`)."""
 
-    def __init__(self, spec: StudySpec) -> None:
+    def __init__(
+        self,
+        spec: StudySpec,
+        max_messages: int = MAX_MESSAGES,
+        fence_timeout_s: float = FENCE_TIMEOUT_S,
+    ) -> None:
         self.spec = spec
+        self.fence_timeout_s = fence_timeout_s
         # The inbox lives on the runner's node: it shares the runner's fate, never a worker's.
+        # It holds at most `max_messages` (QKSCOPE_INBOX_MAX_MESSAGES); more wait for room.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        inbox: Any = TrialInboxActor.options(scheduling_strategy=here).remote()
+        calls = max_concurrency(spec.parallelism, MAX_FUSE)
+        inbox: Any = TrialInboxActor.options(
+            scheduling_strategy=here, max_concurrency=calls
+        ).remote(max_messages)
         self.inbox = inbox
-        # One streaming call for the study's whole life: a batch whenever workers said anything.
-        self._stream = self.inbox.stream.options(num_returns="streaming").remote()
+        # One streaming call for the study's whole life: a batch whenever workers said
+        # anything, at most STREAM_AHEAD of them waiting for this runner to read them.
+        self._stream = self.inbox.stream.options(
+            num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD
+        ).remote()
         self._taken = 0  # batches taken from the stream
         self.refs: dict[Any, str] = {}  # a worker's task -> its name
+        self._fences: deque[_Fence] = deque()  # ended workers the stream has not caught up to
 
     # ---- the scheduler's Pool --------------------------------------------------------------
 
@@ -73,37 +111,55 @@ class RayPool:
 
     def wait(self, timeout_s: float) -> tuple[Batch, list[Ended]]:
         """Wait until workers said something or a worker's task ended (or `timeout_s`);
-        returns every batch that arrived and the workers that ended, after their last
-        messages."""
+        returns every batch that arrived and the workers that ended, each after its last
+        message. A worker whose messages the stream has not delivered yet is returned by a
+        later call, once it has (up to `timeout_s` is spent waiting for it here)."""
         refs = list(self.refs)
         ray.wait([*refs, self._stream], num_returns=1, timeout=timeout_s)
         ended_refs = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []
-        batch = self._take(block=False)
         if ended_refs:
-            batch.extend(self._fence())
-        return batch, [self._ended(ref) for ref in ended_refs]
+            # every message these workers sent is in the inbox (a task ends only then):
+            # already yielded by the stream (the first `upto` batches) or still held there
+            pending, yielded = ray.get(self.inbox.fence.remote())
+            self._fences.append(_Fence(yielded, pending, [self._ended(r) for r in ended_refs]))
+        return self._take(wait_s=timeout_s)
 
-    def _take(self, block: bool, upto: int = 0, timeout_s: float = FENCE_TIMEOUT_S) -> Batch:
-        """Batches ready in the stream (with `block`: until `upto` have been taken)."""
-        batch = Batch()
+    def _take(self, wait_s: float) -> tuple[Batch, list[Ended]]:
+        """The batches ready in the stream, in order, each fence's held messages and ended
+        workers once the stream has caught up with it; waits up to `wait_s` for the stream
+        while a fence is outstanding."""
+        batch, ended = Batch(), []
+        deadline = time.monotonic() + wait_s
         while True:
-            need = block and self._taken < upto
-            if not ray.wait([self._stream], num_returns=1, timeout=timeout_s if need else 0)[0]:
-                return batch
+            while self._fences and self._fences[0].upto <= self._taken:
+                fence = self._fences.popleft()
+                batch.extend(fence.pending)
+                ended += fence.ended
+            wait = max(0.0, deadline - time.monotonic()) if self._fences else 0.0
+            if not ray.wait([self._stream], num_returns=1, timeout=wait)[0]:
+                break
             try:
                 ref = next(self._stream)
             except StopIteration:
-                return batch
+                break
             batch.extend(ray.get(ref))
             self._taken += 1
+        self._warn_lag()
+        return batch, ended
 
-    def _fence(self) -> Batch:
-        """Everything that reached the inbox until now: what the stream yielded before (it
-        may still be on its way) and what it holds."""
-        pending, yielded = ray.get(self.inbox.fence.remote())
-        batch = self._take(block=True, upto=yielded)
-        batch.extend(pending)
-        return batch
+    def _warn_lag(self) -> None:
+        for fence in self._fences:
+            lag = time.monotonic() - fence.since
+            if not fence.warned and lag >= self.fence_timeout_s:
+                fence.warned = True
+                log.warning(
+                    "the inbox stream lags %.0f s behind the end of %s (%d of %d batches "
+                    "taken); their trials wait for it",
+                    lag,
+                    ", ".join(e.name for e in fence.ended),
+                    self._taken,
+                    fence.upto,
+                )
 
     def _ended(self, ref: Any) -> Ended:
         name = self.refs.pop(ref)

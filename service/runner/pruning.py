@@ -41,8 +41,13 @@ def reduce_within(within: Within, points: Sequence[Point]) -> float | None:
         return None
     if within == "one":
         return _finite(points[0][3])
+    if within == "abs":
+        return _finite(abs(points[0][3]))
     if within == "min":
         return _finite(min(p[3] for p in points))
+    if within == "max":  # None when any value is not finite, as the trial summary does
+        values = [p[3] for p in points]
+        return max(values) if all(math.isfinite(v) for v in values) else None
     if within == "mean":
         return _finite(sum(p[3] for p in points) / len(points))
     return _finite(max(points, key=lambda p: p[1] or 0)[3])  # last_layer
@@ -55,7 +60,7 @@ class IntermediateTracker:
         summary = SUMMARY_BY_NAME.get(metric)
         if summary is None or not summary.intermediate:
             raise ValueError(f"{metric!r} has no intermediate value")
-        if summary.over not in ("final", "min", "plateaus"):  # a registry entry out of step
+        if summary.over not in ("final", "min", "max", "plateaus"):  # a registry entry out of step
             raise ValueError(f"{metric!r}: no intermediate value over {summary.over!r}")
         self.summary: Summary = summary
         self.window, self.rel_tol = plateau_window, plateau_rel_tol
@@ -78,9 +83,11 @@ class IntermediateTracker:
         over = self.summary.over
         if over == "final":
             return values[-1]
-        if over == "min":
+        if over in ("min", "max"):  # a running minimum or maximum of the finite values
             finite = [v for v in values if v is not None]
-            return min(finite) if finite else None
+            if not finite:
+                return None
+            return min(finite) if over == "min" else max(finite)
         # plateaus: defined on a fully finite curve only, as in the trial summary
         losses = [v for v in values if v is not None]
         if len(losses) != len(values):

@@ -57,10 +57,12 @@ def judge(
     summary: TrialSummary,
     best_loss: Callable[[], float | None],
     prune_reason: str | None = None,
+    steps: int | None = None,
 ) -> Judged:
     """A returned trial's outcome; `best_loss` reads the study's best final validation loss
     (only when `trapped` needs it); `prune_reason`: why the pruner stopped it, for a pruned
-    trial whose worker gave no reason of its own."""
+    trial whose worker gave no reason of its own; `steps`: the trial's own (a searched
+    `steps`), what a constraint's `fraction_of_steps` is a fraction of."""
     stored = summary.model_dump(mode="json")
     if summary.status == "pruned" and not summary.stop_reason:
         stored["stop_reason"] = prune_reason or f"{spec.pruner.kind} pruner"
@@ -82,15 +84,19 @@ def judge(
         STATES[status],
         stored,
         _values(spec, stored, status == "diverged"),
-        constraint_values(spec, stored),
+        constraint_values(spec, stored, steps),
     )
 
 
 def judge_stored(
-    spec: StudySpec, state: TrialState, summary: dict[str, Any] | None, values: list[Any] | None
+    spec: StudySpec,
+    state: TrialState,
+    summary: dict[str, Any] | None,
+    values: list[Any] | None,
+    params: dict[str, Any] | None = None,
 ) -> Judged:
     """The outcome our table recorded (told to Optuna after a runner restart)."""
-    o = stored_outcome(spec, state, summary, values)
+    o = stored_outcome(spec, state, summary, values, params)
     return Judged(o.status, state, summary or {}, o.values, o.constraints)
 
 

@@ -43,6 +43,7 @@ class SlotWorker:
     capacity: int
     members: set[int] = field(default_factory=set)  # trial numbers placed, not ended
     closed: bool = False
+    sealed: bool = False  # `refill: false`: a member of its group ended; no new one enters
 
 
 class Scheduler:
@@ -84,7 +85,15 @@ class Scheduler:
         return 1 + self.known // self.spec.parallelism
 
     def _free(self, w: SlotWorker) -> int:
+        if w.sealed:
+            return 0
         return min(w.capacity, self.depth()) - len(w.members)
+
+    def _member_left(self, w: SlotWorker) -> None:
+        """Under `refill: false` a group that lost a member takes no new one until it has
+        ended whole (fixed groups, for the comparison in bench/slots.py)."""
+        if not self.spec.refill:
+            w.sealed = bool(w.members)
 
     def room(self) -> int:
         """Slots a new trial could take now: free ones in open workers, and whole workers
@@ -184,6 +193,7 @@ class Scheduler:
                 self._close(worker)
             self._wait(rec, front=True)
             return None
+        self._member_left(worker)
         if isinstance(msg, Stopped):
             rec.status, rec.worker = Status.FINISHING, None
             rec.result, rec.finishing_since = msg, time.monotonic()

@@ -18,22 +18,29 @@ Contract (tests/service/store/test_contract.py runs it on SQLite and PostgreSQL)
   lost try committed.
 - **Launches are claimed.** A runner-job attempt is claimed against the attempts the caller
   saw, and its job id is recorded before the job is submitted.
+- **Runners are fenced.** A store made with a runner's `Fence` (its study and job attempt)
+  checks, in the same transaction as each write, that the attempt is still the study's
+  current one; if not, the write changes nothing and raises `Superseded`
+  (service/store/fence.py).
 """
 
 from __future__ import annotations
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.store.fence import Fence, Superseded
 from service.store.studies import StudyRows
 from service.store.trials import TrialRows
 
-__all__ = ["Store"]
+__all__ = ["Fence", "Store", "Superseded"]
 
 
 class Store:
-    """The writers of one database, for one process."""
+    """The writers of one database, for one process; with a `fence`, a study runner's
+    (every write it makes holds only while its attempt is the study's current one)."""
 
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, sessions: sessionmaker[Session], fence: Fence | None = None) -> None:
         self.sessions = sessions
-        self.studies = StudyRows(sessions)
-        self.trials = TrialRows(sessions)
+        self.fence = fence
+        self.studies = StudyRows(sessions, fence)
+        self.trials = TrialRows(sessions, fence)

@@ -23,7 +23,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import SQLAlchemyError
 
 from service.store.models import TrialState
-from service.store.session import normalize_url, sqlite_pragmas
+from service.store.session import normalize_url, pg_connect_args, sqlite_pragmas
 
 if TYPE_CHECKING:
     from service.spec import StudySpec
@@ -37,6 +37,7 @@ __all__ = [
     "optuna_study_name",
     "stored_outcome",
     "tell_outcome",
+    "trial_steps",
 ]
 
 
@@ -47,7 +48,11 @@ def optuna_study_name(study_id: int) -> str:
 def optuna_storage(url: str, *, create_tables: bool = True) -> optuna.storages.RDBStorage:
     """Optuna's RDBStorage on the study database, with the project's SQLite pragmas."""
     url = normalize_url(url)
-    pre_ping = {} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    pre_ping: dict[str, Any] = (
+        {}
+        if url.startswith("sqlite")
+        else {"pool_pre_ping": True, "connect_args": pg_connect_args(url)}
+    )
     for attempt in range(3):
         try:
             storage = optuna.storages.RDBStorage(
@@ -85,35 +90,59 @@ def objective_values(spec: StudySpec, stored: list[Any]) -> list[float]:
     return out
 
 
-def constraint_values(spec: StudySpec, summary: Mapping[str, Any]) -> list[float]:
-    steps = int(spec.base.steps)
+def trial_steps(spec: StudySpec, params: Mapping[str, Any] | None) -> int:
+    """The trial's own `steps`: its parameter where the study searches `steps`, else the
+    base config's (what a constraint's `fraction_of_steps` is a fraction of)."""
+    v = (params or {}).get("steps")
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return int(v)
+    return int(spec.base.steps)
+
+
+def constraint_values(
+    spec: StudySpec, summary: Mapping[str, Any], steps: int | None = None
+) -> list[float]:
+    """Each constraint's violation (<= 0 feasible); `steps`: the trial's own (its
+    `fraction_of_steps` bound), the base config's when None."""
+    steps = int(spec.base.steps) if steps is None else steps
     return [c.violation(dict(summary), steps) for c in spec.constraints] or [0.0]
 
 
 def stored_outcome(
-    spec: StudySpec, state: TrialState, summary: Mapping[str, Any] | None, values: list[Any] | None
+    spec: StudySpec,
+    state: TrialState,
+    summary: Mapping[str, Any] | None,
+    values: list[Any] | None,
+    params: Mapping[str, Any] | None = None,
 ) -> Outcome:
-    """The outcome a recorded row stands for (its stored summary and values)."""
+    """The outcome a recorded row stands for (its stored summary, values and params)."""
     summary = summary or {}
     stored = values or [None] * len(spec.objectives)
     return Outcome(
         str(summary.get("status", "completed")),
         state,
         objective_values(spec, stored),
-        constraint_values(spec, summary),
+        constraint_values(spec, summary, trial_steps(spec, params)),
     )
 
 
 def tell_outcome(study: optuna.Study, trial_id: int, spec: StudySpec, outcome: Outcome) -> None:
     """Tell Optuna a trial's outcome with its constraint values, once: a trial Optuna has
-    already finished keeps what it has."""
+    already finished keeps what it has.
+
+    The other writer (a cancel or give-up, `close_optuna_trials`, against the runner) can
+    finish the trial at any point after the check, between any two of these writes: each
+    write refuses a finished trial (`UpdateFinishedTrialError`), and that refusal means the
+    other writer won, never an error (before: only the final tell was covered, so a cancel
+    landing after the check made the runner raise, the cancel answer 500 and a reconcile
+    round abort)."""
     if study._storage.get_trial(trial_id).state.is_finished():
         return
     trial = optuna.Trial(study, trial_id)
-    for i, (c, v) in enumerate(zip(spec.constraints, outcome.constraints, strict=False)):
-        trial.set_constraint(f"{i}:{c.metric}{c.op}", v)
-    trial.set_user_attr("qkscope_status", outcome.status)
     try:
+        for i, (c, v) in enumerate(zip(spec.constraints, outcome.constraints, strict=False)):
+            trial.set_constraint(f"{i}:{c.metric}{c.op}", v)
+        trial.set_user_attr("qkscope_status", outcome.status)
         if outcome.state == TrialState.PRUNED:
             study.tell(trial, state=OptunaState.PRUNED, skip_if_finished=True)
         else:

@@ -12,11 +12,24 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, or_, select, update
+from sqlalchemy import (
+    Row,
+    Select,
+    String,
+    cast,
+    column,
+    inspect,
+    literal_column,
+    or_,
+    select,
+    table,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.spec import StudySpec
+from service.store.fence import Fence, check_fence
 from service.store.models import (
     OPEN_TRIAL_STATES,
     Study,
@@ -37,16 +50,41 @@ TERMINAL = (StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED)
 RAY_UNREACHABLE = "Ray cluster unreachable"
 
 
+# A study's RUNNING trials in Optuna's own tables (`studies`, `trials`: Optuna's schema, read
+# only here, never written), for `ended_with_open_trials`.
+_optuna_running: Select[tuple[Any]] = (
+    select(literal_column("1"))
+    .select_from(table("trials", column("study_id"), column("state")))
+    .join(
+        table("studies", column("study_id"), column("study_name")),
+        literal_column("studies.study_id") == literal_column("trials.study_id"),
+    )
+    .where(
+        literal_column("studies.study_name") == Study.optuna_study_name,
+        cast(literal_column("trials.state"), String) == "RUNNING",  # an enum in PostgreSQL
+    )
+)
+
+
+def _has_optuna_tables(s: Session) -> bool:
+    """Whether Optuna created its tables yet (no study ever ran: not yet)."""
+    names = inspect(s.connection()).get_table_names()
+    return "trials" in names and "studies" in names
+
+
 def _first_line(e: object, limit: int = 200) -> str:
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:limit]
 
 
 class StudyRows:
-    """The writes of `qk_study` (and the reads its writers need)."""
+    """The writes of `qk_study` (and the reads its writers need). With a `fence` (a study
+    runner's), the writes a runner makes (`set_status`, `fail_live`, `set_waiting_reason`,
+    `check_current`) hold only while its attempt is current (service/store/fence.py)."""
 
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, sessions: sessionmaker[Session], fence: Fence | None = None) -> None:
         self.sessions = sessions
+        self.fence = fence
 
     # ---- creation ------------------------------------------------------------------------
 
@@ -101,6 +139,7 @@ class StudyRows:
 
         def write() -> bool:
             with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
                 q = update(Study).where(Study.id == study_id, Study.status.in_(LIVE))
                 changed = s.execute(q.values(**values)).rowcount  # type: ignore[attr-defined]
                 if status == StudyStatus.RUNNING:
@@ -112,6 +151,17 @@ class StudyRows:
                 return bool(changed)
 
         return with_retry(write, "set study status")
+
+    def check_current(self) -> None:
+        """Raise `Superseded` unless this store's fence is the study's current attempt
+        (before a write elsewhere: an Optuna ask)."""
+
+        def check() -> None:
+            with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
+
+        if self.fence is not None:
+            with_retry(check, "check fence")
 
     def status(self, study_id: int) -> StudyStatus | None:
         def read() -> StudyStatus | None:
@@ -176,17 +226,22 @@ class StudyRows:
 
     def ended_with_open_trials(self) -> list[tuple[int, str, str | None]]:
         """(id, status, error) of FAILED or CANCELLED studies that still have QUEUED or
-        RUNNING trials: a runner that failed because the database did, a cancel cut off half
-        way. The reconciler closes their trials."""
+        RUNNING trials, in our table or in Optuna's: a runner that failed because the
+        database did, a cancel cut off half way, or a close whose Optuna step failed after
+        our rows were closed (found by Optuna's RUNNING trials, so the next round retries
+        it). The reconciler closes their trials."""
         with session_scope(self.sessions) as s:
+            open_rows = (
+                select(Trial.id)
+                .where(Trial.study_id == Study.id, Trial.state.in_(OPEN_TRIAL_STATES))
+                .exists()
+            )
+            where = [open_rows]
+            if _has_optuna_tables(s):
+                where.append(_optuna_running.exists())
             rows = s.execute(
                 select(Study.id, Study.status, Study.error)
-                .where(
-                    Study.status.in_((StudyStatus.FAILED, StudyStatus.CANCELLED)),
-                    select(Trial.id)
-                    .where(Trial.study_id == Study.id, Trial.state.in_(OPEN_TRIAL_STATES))
-                    .exists(),
-                )
+                .where(Study.status.in_((StudyStatus.FAILED, StudyStatus.CANCELLED)), or_(*where))
                 .order_by(Study.id)
             ).all()
         return [(int(i), str(st), err) for i, st, err in rows]
@@ -222,6 +277,7 @@ class StudyRows:
 
         def write() -> None:
             with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
                 s.execute(update(Study).where(Study.id == study_id).values(waiting_reason=reason))
                 s.execute(
                     update(Trial)

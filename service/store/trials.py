@@ -20,6 +20,7 @@ from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.spec import StudySpec
+from service.store.fence import Fence, check_fence
 from service.store.ingest import insert_metrics
 from service.store.models import (
     CURRENT_PENALTY_VERSION,
@@ -70,10 +71,13 @@ class ResultRow:
 
 
 class TrialRows:
-    """The writes of `qk_trial` and `qk_metric` (and the reads their writers need)."""
+    """The writes of `qk_trial` and `qk_metric` (and the reads their writers need). With a
+    `fence` (a study runner's), every write holds only while its attempt is current: it
+    raises `Superseded` and changes nothing otherwise (service/store/fence.py)."""
 
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, sessions: sessionmaker[Session], fence: Fence | None = None) -> None:
         self.sessions = sessions
+        self.fence = fence
 
     # ---- queued and started ----------------------------------------------------------------
 
@@ -83,6 +87,7 @@ class TrialRows:
 
         def write() -> int:
             with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
                 found = s.scalar(
                     select(Trial.id).where(Trial.study_id == study_id, Trial.number == number)
                 )
@@ -109,6 +114,7 @@ class TrialRows:
 
         def claim() -> Trial | None:
             with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
                 mine = (Trial.study_id == study_id, Trial.number == number)
                 s.execute(
                     update(Trial)
@@ -139,6 +145,7 @@ class TrialRows:
 
         def write() -> None:
             with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
                 for row_id, st in starts.items():
                     values: dict[str, Any] = {
                         "node": st.node,
@@ -185,6 +192,7 @@ class TrialRows:
 
         def write() -> None:
             with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
                 insert_metrics(s, dicts)
                 for row_id, step in last.items():
                     s.execute(
@@ -224,6 +232,7 @@ class TrialRows:
 
         def write() -> bool:
             with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
                 open_row = (Trial.id == row_id, Trial.state.in_(OPEN_TRIAL_STATES))
                 n = s.execute(update(Trial).where(*open_row).values(**values)).rowcount  # type: ignore[attr-defined]
                 s.execute(
@@ -283,6 +292,7 @@ class TrialRows:
 
         def write() -> int:
             with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
                 closed = s.execute(
                     update(Trial)
                     .where(Trial.study_id == study_id, Trial.state.in_(OPEN_TRIAL_STATES))
@@ -312,6 +322,7 @@ class TrialRows:
 
         def write() -> None:
             with session_scope(self.sessions) as s:
+                check_fence(s, self.fence)
                 s.execute(
                     update(Trial)
                     .where(Trial.id.in_(row_ids), Trial.state == TrialState.CANCELLED)
@@ -342,10 +353,11 @@ def recorded_outcomes(
     with session_scope(sessions) as s:
         spec = StudySpec.model_validate(s.scalar(select(Study.spec).where(Study.id == study_id)))
         rows = s.execute(
-            select(Trial.number, Trial.state, Trial.summary, Trial.values).where(
+            select(Trial.number, Trial.state, Trial.summary, Trial.values, Trial.params).where(
                 Trial.study_id == study_id, Trial.state.in_(RESULT_STATES)
             )
         ).all()
     return spec, {
-        n: stored_outcome(spec, TrialState(st), summary, values) for n, st, summary, values in rows
+        n: stored_outcome(spec, TrialState(st), summary, values, params)
+        for n, st, summary, values, params in rows
     }

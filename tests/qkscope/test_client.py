@@ -322,3 +322,26 @@ def test_a_stopped_trials_reason_reaches_the_client_and_qkscope_results(
     out = results_table(qk, seeded["sid"])
     assert f"trial 2 stopped: {STOP_REASON}" in out.splitlines()
     assert out.count("stopped:") == 1
+
+
+def test_lr_sensitivity(qk: Client, engine: Engine) -> None:
+    from tests.service.test_lr_sensitivity import E2E_GRID, expected_group, seed_lr_study
+
+    sid = seed_lr_study(engine, "client-lr-sens")
+    res = qk.lr_sensitivity(sid, group_by="model.qk_norm")
+    assert res.grid == E2E_GRID and res.group_by == ["model.qk_norm"]
+    by_label = {g.label: g for g in res.groups}
+    assert set(by_label) == {"model.qk_norm=none", "model.qk_norm=layernorm"}
+    for norm in ("none", "layernorm"):
+        g, want = by_label[f"model.qk_norm={norm}"], expected_group(norm)
+        assert g.sensitivity == pytest.approx(want["mean"])
+        assert (g.ci_low, g.ci_high) == pytest.approx((want["lo"], want["hi"]))
+        assert [p.lr for p in g.curve] == E2E_GRID
+    assert by_label["model.qk_norm=none"].curve[-1].diverged == 3
+    assert [o["seed"] for o in by_label["model.qk_norm=none"].left_out] == [3]
+    assert qk.lr_sensitivity(sid).groups == res.groups  # default: the one other parameter
+    df = res.to_pandas()
+    assert list(df["model.qk_norm"]) == [g.params["model.qk_norm"] for g in res.groups]
+    with pytest.raises(ApiError) as e:
+        qk.lr_sensitivity(sid, group_by=["model.nope"])
+    assert e.value.status == 422 and "model.nope" in e.value.message

@@ -20,6 +20,7 @@ ATTN = (
     "qk_eig_mean",
     "qk_eig_var",
     "qk_eig_mean_rank",
+    "attn_logit_max",
 )
 
 
@@ -34,11 +35,14 @@ def expected_metric_keys(
     eval_steps = set(range(every, steps + 1, every)) | {steps}
     reg = base.get("regularizer", {})
     lam = params.get("regularizer.lambda", reg.get("lambda", 0.0))
-    scalars = ["train_loss", "val_loss", "grad_norm", "lr"]
+    scalars = ["train_loss", "val_loss", "grad_norm", "lr", "output_log_z"]
     if reg.get("kind", "none") != "none" and lam != 0:
         scalars.append("reg_penalty")
     # the attention mass on the answer's key: tasks that know which key a query needs
     target = ("attn_target_mass",) if base["task"]["kind"] == "associative_recall" else ()
+    # Pre-LN (the default): the effective form diag(g) W diag(g) (docs/metrics.md section 3)
+    if model.get("norm", "pre") == "pre":
+        target += ("qk_eff_eig_mean", "qk_eff_eig_var")
     keys: set[tuple[str, int, int, int]] = set()
     for step in eval_steps:
         keys |= {(n, -1, -1, step) for n in scalars}

@@ -221,13 +221,6 @@ CASES: list[Case] = [
         422,
         "fuse",
     ),
-    (
-        "fuse with sigma_reparam",
-        with_("base/model", {"qk_norm": "sigma_reparam"}, with_("fuse", 4)),
-        JSON,
-        422,
-        "fuse",
-    ),
     # base trial config
     ("base string", with_("base", "default"), JSON, 422, "base"),
     ("steps 0", with_("base/steps", 0), JSON, 422, "base.eval_at_init"),
@@ -255,6 +248,89 @@ CASES: list[Case] = [
     ("heads do not divide", with_("base/model", {"n_heads": 3}), JSON, 422, "base.model"),
     ("norm sideways", with_("base/model", {"norm": "sideways"}), JSON, 422, "base.model.norm"),
     ("qk_norm bogus", with_("base/model", {"qk_norm": "l3"}), JSON, 422, "base.model.qk_norm"),
+    # the model options of issue 34 and the combinations they refuse
+    (
+        "norm_type bogus",
+        with_("base/model", {"norm_type": "batch"}),
+        JSON,
+        422,
+        "base.model.norm_type",
+    ),
+    (
+        "position bogus",
+        with_("base/model", {"position": "alibi"}),
+        JSON,
+        422,
+        "base.model.position",
+    ),
+    (
+        "mlp_type bogus",
+        with_("base/model", {"mlp_type": "relu2"}),
+        JSON,
+        422,
+        "base.model.mlp_type",
+    ),
+    (
+        "sigma_reparam bogus",
+        with_("base/model", {"sigma_reparam": "qk"}),
+        JSON,
+        422,
+        "base.model.sigma_reparam",
+    ),
+    (
+        "rotary with an odd head width",
+        with_("base/model", {"position": "rotary", "d_model": 18, "n_heads": 2}),
+        JSON,
+        422,
+        "base.model.position",
+    ),
+    (
+        "sigma_reparam all and on qk",
+        with_("base/model", {"sigma_reparam": "all", "qk_norm": "sigma_reparam"}),
+        JSON,
+        422,
+        "base.model.sigma_reparam",
+    ),
+    (
+        "rmsnorm with no norm",
+        with_("base/model", {"norm_type": "rmsnorm", "norm": "none"}),
+        JSON,
+        422,
+        "base.model.norm_type",
+    ),
+    (
+        "swiglu with no mlp",
+        with_("base/model", {"mlp_type": "swiglu", "mlp": False}),
+        JSON,
+        422,
+        "base.model.mlp_type",
+    ),
+    (
+        "independent decay with sgd",
+        with_("base/optim", {"name": "sgd", "weight_decay_mode": "independent"}),
+        JSON,
+        422,
+        "base.optim.weight_decay_mode",
+    ),
+    ("z_loss_coef negative", with_("base/z_loss_coef", -1e-4), JSON, 422, "base.z_loss_coef"),
+    ("z_loss_coef 2", with_("base/z_loss_coef", 2.0), JSON, 422, "base.z_loss_coef"),
+    (
+        "searched rotary on odd heads",
+        {
+            **space("model.position", {"type": "categorical", "choices": ["learned", "rotary"]}),
+            "base": {"model": {"d_model": 18, "n_heads": 2}},
+        },
+        JSON,
+        422,
+        "search_space.model.position",
+    ),
+    (
+        "searched z_loss_coef beyond 1",
+        space("z_loss_coef", {"type": "float", "low": 1e-5, "high": 2.0, "log": True}),
+        JSON,
+        422,
+        "search_space.z_loss_coef",
+    ),
     ("dropout 1", with_("base/model", {"dropout": 1.0}), JSON, 422, "base.model.dropout"),
     ("qk_init_std 0", with_("base/model", {"qk_init_std": 0}), JSON, 422, "base.model.qk_init_std"),
     ("skip string", with_("base/model", {"skip": "perhaps"}), JSON, 422, "base.model.skip"),
@@ -856,6 +932,18 @@ def test_the_valid_base_definition_is_accepted() -> None:
     StudySpec.model_validate(FULL)
     # The fuse cases fail for the base config, not for fuse itself: a fusable base passes.
     assert StudySpec.model_validate(with_("fuse", 4)).fuse == 4
+    # sigma-reparam (query/key or every layer) is fused since issue 34: fuse 4 accepted
+    for model in ({"qk_norm": "sigma_reparam"}, {"sigma_reparam": "all"}):
+        assert StudySpec.model_validate(with_("base/model", model, with_("fuse", 4))).fuse == 4
+    # every model option of issue 34 at once, and z-loss searched over its usual range
+    llama = {"norm_type": "rmsnorm", "qk_norm": "rmsnorm", "position": "rotary",
+             "mlp_type": "swiglu", "sigma_reparam": "all"}  # fmt: skip
+    searched = with_(
+        "search_space",
+        {"z_loss_coef": {"type": "float", "low": 1e-5, "high": 1e-2, "log": True}},
+        with_("base/optim", {"weight_decay_mode": "independent"}, with_("base/model", llama)),
+    )
+    assert StudySpec.model_validate(searched).base.model.position == "rotary"
     # ... and the default (fuse: auto) accepts an unfusable base, without fusing it
     unfusable = StudySpec.model_validate(with_("base/model", {"dropout": 0.1}))
     assert unfusable.fuse == "auto" and unfusable.slots == 1

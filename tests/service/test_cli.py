@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy import Engine
 
 from service.config import Settings
 from tests.conftest import ROOT, free_port
@@ -180,3 +181,30 @@ def test_stop_ends_a_head_orphaned_by_kill_9(tmp_path: Path) -> None:
     while ray_left(ray_port) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not ray_left(ray_port)
+
+
+def test_lr_sensitivity_table(
+    app_settings: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.service.test_lr_sensitivity import expected_group, seed_lr_study
+
+    sid = seed_lr_study(engine, "cli-lr-sens")
+    with live_api(app_settings, monkeypatch) as url:
+        env = cli_env(tmp_path / "home", url)
+        env["QKSCOPE_API_TOKEN"] = TOKEN
+        r = qkscope("lr-sensitivity", str(sid), "--group-by", "model.qk_norm", env=env,
+                    cwd=tmp_path)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith(f"study {sid}: LR sensitivity") and "model.qk_norm" in lines[0]
+        for norm in ("none", "layernorm"):
+            want = expected_group(norm)
+            (row,) = [ln for ln in lines if ln.startswith(f"model.qk_norm={norm} ")]
+            assert f"{want['mean']:.4g}" in row
+            assert f"[{want['lo']:.4g}, {want['hi']:.4g}]" in row
+        assert any("seed 3 left out" in ln and "RUNNING" in ln for ln in lines)
+        assert any(ln.startswith("1 ") and "3d" in ln for ln in lines)  # lr 1: 3 diverged
+        bad = qkscope("lr-sensitivity", str(sid), "--group-by", "nope", env=env, cwd=tmp_path)
+        assert bad.returncode == 1 and "error 422" in bad.stderr and "nope" in bad.stderr
+        js = qkscope("lr-sensitivity", str(sid), "--json", env=env, cwd=tmp_path)
+        assert js.returncode == 0 and '"groups"' in js.stdout

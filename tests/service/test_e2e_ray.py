@@ -87,14 +87,18 @@ def test_study_runs_end_to_end(app_client: TestClient, db_url: str, ray_head: Lo
                             "qk_eig_mean",
                             "qk_eig_var",
                             "qk_eig_mean_rank",
+                            "qk_eff_eig_mean",  # quickstart is Pre-LN: diag(g) W diag(g)
+                            "qk_eff_eig_var",
+                            "attn_logit_max",  # METRICS.md 9
                         ):
                             assert (name, layer, head, step) in got
                 for layer in range(0, n_layers + 1):
                     assert ("rank_ratio", layer, -1, step) in got
                 assert ("val_loss", -1, -1, step) in got
+                assert ("output_log_z", -1, -1, step) in got
             per_eval = (
-                7 * n_layers * n_heads + (n_layers + 1) + 5
-            )  # + train/val loss, grad, lr, penalty
+                10 * n_layers * n_heads + (n_layers + 1) + 6
+            )  # + train/val loss, grad, lr, penalty, output_log_z
             assert len(rows) == per_eval * len(eval_steps)
 
         # Summary counts agree with the database.

@@ -78,6 +78,9 @@ def summary_of(d: dict[str, Any]) -> dict[str, Any] | None:
         "init_val_loss": 4.0 + n / 10,  # eval_at_init numbers are exported too
         "top1_mass": 0.1 * n,
         "target_mass": None if n == 0 else 0.5 + n / 100,
+        "max_attn_logit": 3.0 + n,  # METRICS.md 9
+        "max_attn_logit_ever": 4.5 + n,
+        "max_abs_output_log_z_ever": None if n == 1 else 0.25 * n,
         "config_hash": f"{n:016x}",  # provenance, from the summary
         "code_commit": "0123abcd" + "+dirty" * (n % 2),
         "eval_steps": [0, 50, 100],
@@ -172,7 +175,8 @@ FIXED_COLUMNS = [
     "min_norm_entropy_ever", "final_rank_ratio", "qk_eig_var", "qk_eig_mean", "qk_eig_mean_rank",
     "plateau_count", "plateau_steps", "longest_plateau", "entropy_collapse", "rank_collapse", "trapped",
     "init_val_loss", "init_min_norm_entropy", "init_rank_ratio", "init_qk_eig_var",
-    "top1_mass", "target_mass", "collapse_class",
+    "top1_mass", "target_mass", "max_attn_logit", "max_attn_logit_ever",
+    "max_abs_output_log_z_ever", "collapse_class",
 ]  # fmt: skip
 PARAM_COLUMNS = [f"params.{p}" for p in SPACE]
 

@@ -232,6 +232,30 @@ def _swallowing_proxy(target_port: int) -> tuple[int, socket.socket]:
     return srv.getsockname()[1], srv
 
 
+def test_a_submission_still_in_flight_is_not_judged_lost(
+    db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
+) -> None:
+    """POST /v1/studies records the job id, then submits it from a thread while the
+    reconciler runs on. A round that falls in between saw a recorded job Ray did not list yet
+    and launched attempt 2 beside attempt 1 (found by test_db_outage_study under load; the
+    fence kept it harmless, the second runner was waste). A young PENDING study's job is now
+    given the job server's time to arrive; an old one is judged as before (here: given up,
+    as max_job_attempts is 1)."""
+    settings = Settings(
+        database_url=db_url, ray_address=ray_head.dashboard_url, home=tmp_path, max_job_attempts=1
+    )
+    row, _ = store.studies.create(StudySpec.model_validate(fault_spec(n_trials=1, steps=20)))
+    assert store.studies.claim_launch(row.id, 0) == 1
+    store.studies.record_job(row.id, f"qkscope-study-{row.id}-a1-inflight")  # not in Ray yet
+    launcher = JobLauncher(ray_head.dashboard_url)
+    assert reconcile(store, launcher, settings) == 0
+    after = store.studies.get(row.id)
+    assert after is not None and after.status == StudyStatus.PENDING and after.job_attempts == 1
+    assert reconcile(store, launcher, settings, grace_s=0) == 0  # judged now: out of attempts
+    after = store.studies.get(row.id)
+    assert after is not None and after.status == StudyStatus.FAILED
+
+
 def test_a_submission_whose_answer_was_lost_is_not_submitted_again(
     db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
 ) -> None:

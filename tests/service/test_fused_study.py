@@ -90,10 +90,11 @@ def test_fuse_4_gives_the_trials_of_fuse_1(app_client: TestClient, db_url: str) 
 
 
 def refused_grid(fuse: int) -> dict[str, Any]:
-    """A grid over QK normalisation x seed: sigma-reparam is refused by the fused model."""
+    """A grid over dropout x seed: dropout is refused by the fused model (sigma-reparam, the
+    refused config here before issue 34, is fused since)."""
     spec = quickstart_random(fuse)
     spec["search_space"] = {
-        "model.qk_norm": {"type": "categorical", "choices": ["none", "sigma_reparam"]},
+        "model.dropout": {"type": "categorical", "choices": [0.0, 0.1]},
         "seed": {"type": "int", "low": 0, "high": 1, "grid": [0, 1]},
     }
     spec["sampler"] = {"kind": "grid", "seed": 0}
@@ -104,9 +105,10 @@ def refused_grid(fuse: int) -> dict[str, Any]:
 def test_configs_the_fused_model_refuses_train_alone_in_a_fused_study(
     app_client: TestClient, db_url: str
 ) -> None:
-    """With `fuse: 2`, sigma-reparam trials get one-slot workers that train them exactly as
+    """With `fuse: 2`, dropout trials get one-slot workers that train them exactly as
     `fuse: 1` does (the plain runner); the others are fused. Found when the entropy-collapse
-    reproduction ran through the service and its 12 sigma-reparam trials FAILED."""
+    reproduction ran through the service and its 12 sigma-reparam trials (then refused by the
+    fused model) FAILED."""
     alone = {t["number"]: t for t in run(app_client, refused_grid(1))}
     fused = run(app_client, refused_grid(2))
     assert len(fused) == len(alone) == 4
@@ -114,7 +116,7 @@ def test_configs_the_fused_model_refuses_train_alone_in_a_fused_study(
         a = alone[f["number"]]
         assert f["params"] == a["params"]
         assert f["state"] == a["state"] == "COMPLETE", (f["error"], a["error"])
-        if f["params"]["model.qk_norm"] == "sigma_reparam":
+        if f["params"]["model.dropout"] > 0.0:
             assert f["value"] == a["value"]  # the same program, bit for bit on CPU
         else:
             assert abs(f["value"] - a["value"]) <= REL_TOL * abs(a["value"]), (a, f)

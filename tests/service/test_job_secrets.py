@@ -41,7 +41,22 @@ def test_runner_env_carries_a_0600_file_not_the_url(tmp_path: Path) -> None:
     assert env["QKSCOPE_DATABASE_URL_FILE"] == str(own)
     assert Settings(database_url_file=str(own)).resolved_database_url() == url
     env = runner_env(Settings(database_url=url, home=tmp_path, runner_db_source="node"))
-    assert set(env) == {"QKSCOPE_CHECKPOINT_DIR"}
+    assert set(env) == {"QKSCOPE_CHECKPOINT_DIR", "QKSCOPE_DB_OUTAGE_S"}
+
+
+def test_runner_env_is_safe_from_many_threads_at_once(tmp_path: Path) -> None:
+    """POSTs now submit from threads in parallel (issue 32): each writes the URL file; they
+    all wrote one temporary name (the pid's), and the loser's rename failed its submit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    settings = Settings(database_url="postgresql://u@db:5432/x", home=tmp_path)
+    with ThreadPoolExecutor(16) as pool:
+        envs = list(pool.map(lambda _: runner_env(settings), range(400)))
+    path = Path(envs[0]["QKSCOPE_DATABASE_URL_FILE"])
+    assert all(e["QKSCOPE_DATABASE_URL_FILE"] == str(path) for e in envs)
+    assert path.read_text() == "postgresql://u@db:5432/x"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no leftovers
 
 
 @pytest.mark.cluster

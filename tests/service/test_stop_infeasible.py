@@ -176,3 +176,56 @@ def test_a_killed_worker_revives_no_trial_stopped_as_infeasible(
     for n in victims:
         assert by_number[n].attempts >= 2, (n, by_number[n].attempts)
         assert by_number[n].state in ("COMPLETE", "PRUNED")
+
+
+LOGIT_BOUND = 20.0
+
+
+def test_a_bound_on_the_attention_logits_running_maximum_stops_through_the_service(
+    app_client: TestClient, db_url: str, ray_head: LocalRayHead
+) -> None:
+    """Wortsman et al.'s attention logit growth as a stop, through REST (issue 34): a
+    constraint `max_attn_logit_ever <= 20` on a study over the learning rate. At lr 0.05 the
+    largest logit passes 20 within 10 steps (tests/workers/test_stopping.py); those trials are
+    PRUNED at the first evaluation whose stored `attn_logit_max` exceeds the bound, with their
+    reason; at lr 1e-3 they complete. The summary is filterable like every other."""
+    client = app_client
+    spec = collapse_spec(stop=True, steps=40, n_trials=4)
+    spec["name"] = "stop-logit-growth"
+    spec["base"]["optim"] = {"schedule": "constant"}
+    spec["search_space"] = {
+        "optim.lr": {"type": "categorical", "choices": [1e-3, 0.05]},
+        "seed": {"type": "categorical", "choices": [1, 2]},
+    }
+    spec["sampler"] = {"kind": "grid", "seed": 0}
+    spec["fuse"] = 2
+    spec["constraints"] = [{"metric": "max_attn_logit_ever", "op": "<=", "value": LOGIT_BOUND}]
+    sid, trials = _run(client, spec)
+    assert len(trials) == 4
+    for t in trials.values():
+        rows = client.get(
+            f"/v1/trials/{t['id']}/metrics", params={"name": "attn_logit_max", "limit": 100_000}
+        ).json()
+        per_step: dict[int, float] = {}
+        for r in rows:
+            per_step[r["step"]] = max(per_step.get(r["step"], 0.0), r["value"])
+        over = [s for s, v in sorted(per_step.items()) if v > LOGIT_BOUND]
+        summary = client.get(f"/v1/trials/{t['id']}").json()["summary"]
+        if t["params"]["optim.lr"] == 0.05:
+            assert over, per_step  # the premise: the logits grew past the bound
+            assert t["state"] == "PRUNED" and t["feasible"] is False, t
+            assert t["last_step"] == over[0] and max(per_step) == over[0]
+            reason = t["stop_reason"]
+            assert reason.startswith("max_attn_logit_ever ")
+            assert f"> 20 at step {over[0]}" in reason, reason
+            assert summary["max_attn_logit_ever"] == per_step[over[0]]
+        else:
+            assert not over and t["state"] == "COMPLETE" and t["feasible"] is True, t
+            assert summary["max_attn_logit_ever"] == max(per_step.values())
+    low = client.get(
+        f"/v1/studies/{sid}/trials", params={"where": f"max_attn_logit_ever<={LOGIT_BOUND}"}
+    ).json()["items"]
+    assert sorted(t["number"] for t in low) == sorted(
+        n for n, t in trials.items() if t["params"]["optim.lr"] == 1e-3
+    )
+    check_finished_study(db_url, sid)

@@ -271,6 +271,45 @@ def test_trial_table_sorts_and_filters_as_the_api_says(
     assert [e for e in page.errors if "status of 422" not in e] == [], page.errors
 
 
+def test_logit_heatmap_beside_the_entropy_has_one_cell_per_stored_row(
+    page: Page, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    """attn_logit_max (METRICS.md 9) as a layer x head heatmap beside the entropy's: one
+    cell per stored row with its value, colours rising with the value (the growing head's
+    last cells in the top band), and the largest logit named under it."""
+    _, engine, seeded = db
+    number, layer, head = ui_seed.COLLAPSED
+    tid = seeded.trial_ids[number]
+    with Session(engine) as s:
+        stored = s.execute(
+            select(Metric.layer, Metric.head, Metric.step, Metric.value).where(
+                Metric.trial_id == tid, Metric.name == "attn_logit_max"
+            )
+        ).all()
+    assert stored
+    p = page.open(f"#/trials/{tid}", "trial")
+    heat = f"window.qkCharts.get('logitmap-{tid}')"
+    p.wait_for_function(f"() => {heat} && {heat}.cells().length > 0", timeout=WAIT_MS)
+    drawn = p.evaluate(f"() => {heat}.cells()")
+    cells = {(label, step): (value, color) for label, step, value, color in drawn}
+    assert len(drawn) == len(stored) == len(cells)
+    top = max(v for *_, v in stored)
+    ramp = p.evaluate("async () => (await import('./js/heatmap.js')).HEAT_RAMP")
+    for lay, hd, step, value in stored:
+        shown, color = cells[(f"L{lay} H{hd}", step)]
+        assert shown == value
+        band = min(len(ramp) - 1, int(value / (top / len(ramp))))
+        assert color.lower() == ramp[band], (lay, hd, step, value, color)
+    last = cells[(f"L{layer} H{head}", ui_seed.STEPS[-1])]
+    assert last[1].lower() == ramp[-1]
+    # beside the entropy heatmap, in the same row of the page
+    boxes = [p.locator(f"#{k}-{tid}").bounding_box() for k in ("heatmap", "logitmap")]
+    assert boxes[0] is not None and boxes[1] is not None
+    assert abs(boxes[0]["y"] - boxes[1]["y"]) < 2 and boxes[1]["x"] > boxes[0]["x"]
+    assert f"{top:.3g}"[:3] in p.inner_text(f"#logitmax-{tid}").replace(",", "")
+    assert page.errors == []
+
+
 def test_heatmap_has_one_cell_per_stored_row_and_shows_the_collapsed_head(
     page: Page, db: tuple[str, Engine, ui_seed.Seeded]
 ) -> None:
@@ -794,4 +833,52 @@ def test_a_large_study_ranks_by_ped_anova_and_computes_fanova_on_request(
         f"() => {chart}.title[0].text === 'final_val_loss (fanova, 201 trials)'", timeout=60_000
     )
     assert p.inner_text(f"#importance-note-{sid}") == ""
+    assert page.errors == [], page.errors
+
+
+def test_the_lr_sensitivity_panel_draws_what_the_route_answers(
+    page: Page, site: str, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    """One line per group at the route's medians on a log lr axis, each group's l_0 dashed in
+    its colour, its sensitivity in the legend; no panel where the study does not search lr."""
+    from tests.service.test_lr_sensitivity import seed_lr_study
+
+    sid = seed_lr_study(db[1], "ui-lr-sensitivity")
+    p = page.open(f"#/studies/{sid}", "lrsens")
+    drawn = p.evaluate(
+        f"""() => {{ const o = window.qkCharts.get('lrsens-{sid}').getOption();
+        return {{x: o.xAxis[0].type, series: o.series.map(s => ({{
+            name: s.name, type: s.type, color: s.color,
+            data: s.data.map(d => d.value || d),
+            l0: s.markLine ? s.markLine.data[0].yAxis : null,
+            dash: s.markLine ? s.markLine.lineStyle.type : null,
+            l0color: s.markLine ? s.markLine.lineStyle.color : null}}))}}; }}"""
+    )
+    want = api(site, f"/v1/studies/{sid}/lr-sensitivity")
+    assert drawn["x"] == "log"
+    lines = [s for s in drawn["series"] if s["type"] == "line"]
+    bars = [s for s in drawn["series"] if s["type"] == "custom"]
+    assert len(lines) == len(bars) == len(want["groups"]) == 2
+    for line, bar, g in zip(lines, bars, want["groups"], strict=True):
+        curve = [c for c in g["curve"] if c["median"] is not None]
+        assert line["data"] == [[c["lr"], c["median"]] for c in curve]
+        assert bar["data"] == [[c["lr"], c["min"], c["max"]] for c in curve if c["n"] > 1]
+        assert line["l0"] == pytest.approx(g["l0"]) and line["dash"] == "dashed"
+        assert line["l0color"] == line["color"]
+        label = ", ".join(f"{k}={v}" for k, v in g["params"].items())
+        sens = float(f"{g['sensitivity']:.3g}")
+        assert line["name"].startswith(f"{label}: LR sensitivity {sens}")
+    note = p.inner_text(f"#lrsens-note-{sid}")
+    assert "1 seed(s) left out" in note
+    page.shot("lr_sensitivity_page")
+    out = os.environ.get("QKSCOPE_UI_SCREENSHOTS")
+    if out:
+        p.locator(f"#lrsens-panel-{sid}").screenshot(path=str(Path(out) / "lr_sensitivity.png"))
+    assert page.errors == [], page.errors
+
+    quick = db[2].finished_id  # the quickstart: optim.lr is not searched
+    p.evaluate("() => { delete document.documentElement.dataset.readystudycharts; }")
+    page.open(f"#/studies/{quick}", "studycharts")
+    assert p.locator(f"#lrsens-panel-{quick}").count() == 0
+    assert not any("lr-sensitivity" in u for u in page.urls if f"/studies/{quick}/" in u)
     assert page.errors == [], page.errors

@@ -71,6 +71,7 @@ def eval_rows(
             ("grad_norm", 1.0 + rng.random()),
             ("lr", 0.003 * (1 - t)),
             ("reg_penalty", 30 * math.exp(-3 * t) + 1),
+            ("output_log_z", -0.5 - 2 * t),
         ):
             rows.append({"trial_id": trial_id, "name": name, "step": step, "value": v})
         for layer in (0, *LAYERS):
@@ -82,9 +83,13 @@ def eval_rows(
             for head in HEADS:
                 collapsed = (number, layer, head) == COLLAPSED and step >= COLLAPSE_FROM
                 ent = 0.02 + 0.01 * rng.random() if collapsed else 0.4 + 0.5 * rng.random()
+                # the collapsed head's logits grow (Wortsman et al.'s logit growth), the
+                # others stay small
+                logit = 60 * t if collapsed else 1.0 + 2 * layer * t + head + rng.random()
                 for name, v in (
                     ("attn_entropy_norm", ent),
                     ("attn_entropy", ent * math.log(24)),
+                    ("attn_logit_max", logit),
                     ("qk_eig_mean", 0.1 * head - 0.3 * (layer == 1) + 0.01 * t),
                     ("qk_eig_var", 30 * math.exp(-2 * t) + 5 * head),
                 ):

@@ -26,7 +26,7 @@ import pytest
 import torch
 import yaml
 
-from tests.workers.test_trial import Recorder, tiny
+from tests.workers.test_trial import Recorder, _merge, tiny
 from workers.config import TrialConfig, TrialSummary
 from workers.fused import FusionError, fusion_key, group_by_key, run_trial_group
 from workers.trial import run_trial
@@ -262,10 +262,7 @@ def test_fusion_key_and_grouping() -> None:
         group_by_key([a], max_size=0)
 
 
-@pytest.mark.parametrize(
-    ("model", "field"),
-    [({"dropout": 0.1}, "model.dropout"), ({"qk_norm": "sigma_reparam"}, "model.qk_norm")],
-)
+@pytest.mark.parametrize(("model", "field"), [({"dropout": 0.1}, "model.dropout")])
 def test_unsupported_configs_are_refused_by_name(model: dict[str, Any], field: str) -> None:
     with pytest.raises(FusionError, match=field):
         run_trial_group([tiny(model=model), tiny(model=model, seed=1)])
@@ -312,3 +309,92 @@ def test_members_with_different_mlp_init_std_share_a_group_and_match_alone() -> 
         _assert_same_evaluations(a, f)
     assert singles[0].final_val_loss != singles[1].final_val_loss
     assert [s.final_val_loss for s in fused] != [fused[0].final_val_loss] * 2
+
+
+# ---- the model options of issue 34 (Llama-style blocks, Wortsman et al.'s interventions) ------
+
+# Each option alone, then all of them together; every option here is a fusion-key field, so
+# the two members of a group differ in seed and in the per-member fields (below).
+OPTIONS: dict[str, dict[str, Any]] = {
+    "rmsnorm": {"model": {"norm_type": "rmsnorm"}},
+    "rmsnorm-post": {"model": {"norm_type": "rmsnorm", "norm": "post"}},
+    "qk-rmsnorm": {"model": {"qk_norm": "rmsnorm"}},
+    "rotary": {"model": {"position": "rotary"}},
+    "rotary-qk-layernorm": {"model": {"position": "rotary", "qk_norm": "layernorm"}},
+    "swiglu": {"model": {"mlp_type": "swiglu"}},
+    "sigma-reparam-qk": {"model": {"qk_norm": "sigma_reparam"}},
+    "sigma-reparam-all": {"model": {"sigma_reparam": "all"}},
+    "embed-sqrt-d-post": {"model": {"embed_scale": "sqrt_d", "norm": "post"}},  # Bao's model
+    "embed-sqrt-d": {"model": {"embed_scale": "sqrt_d"}},
+    "z-loss": {"z_loss_coef": 1e-2},
+    "independent-decay": {"optim": {"weight_decay_mode": "independent", "weight_decay": 0.5}},
+    "llama": {
+        "model": {
+            "norm_type": "rmsnorm",
+            "qk_norm": "rmsnorm",
+            "position": "rotary",
+            "mlp_type": "swiglu",
+            "sigma_reparam": "all",
+        },
+        "z_loss_coef": 1e-3,
+        "optim": {"weight_decay_mode": "independent", "weight_decay": 0.2},
+    },
+}
+# What the two members of a group do differently (per-member fields, so they fuse): the second
+# has no z-loss and coupled decay where the first has them, so a member without an option
+# trains beside one with it.
+SECOND: dict[str, Any] = {
+    "seed": 1,
+    "z_loss_coef": 0.0,
+    "optim": {"lr": 3e-3, "weight_decay": 0.05, "weight_decay_mode": "coupled"},
+    "model": {"attn_temperature": 1.5},
+}
+# Probes compared too: the instability signals come from the member's own synced weights.
+PROBED = ("val_loss", "train_loss", "output_log_z")
+
+
+def _option_configs(option: dict[str, Any], **extra: Any) -> list[TrialConfig]:
+    first = tiny(**_merge({"steps": 20, "model": {"qk_init_std": 0.05}}, {**option, **extra}))
+    data = _merge(first.model_dump(by_alias=True), SECOND)
+    return [first, TrialConfig.model_validate(data)]
+
+
+def _assert_probes_match(alone: Recorder, fused: Recorder, tol: float) -> None:
+    assert fused.steps == alone.steps
+    for step in alone.steps:
+        a, f = alone.at(step), fused.at(step)
+        assert set(a) == set(f)
+        for name in PROBED:
+            assert _rel(a[(name, None, None)], f[(name, None, None)]) < tol, (step, name)
+        for key, v in a.items():
+            if key[0] == "attn_logit_max":
+                assert _rel(v, f[key]) < 10 * tol, (step, key)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS), ids=list(OPTIONS))
+def test_every_model_option_matches_alone_fused(option: str) -> None:
+    configs = _option_configs(OPTIONS[option])
+    assert len({fusion_key(c) for c in configs}) == 1, "per-member fields only may differ"
+    assert configs[0] != configs[1]
+    alone = [Recorder(), Recorder()]
+    singles = [run_trial(c, r) for c, r in zip(configs, alone, strict=True)]
+    recs = [Recorder(), Recorder()]
+    fused = run_trial_group(configs, recs)
+    for a, f in zip(alone, recs, strict=True):
+        _assert_probes_match(a, f, REL_TOL)
+    for s, f in zip(singles, fused, strict=True):
+        assert f.status == s.status == "completed"
+        assert _rel(s.max_attn_logit_ever, f.max_attn_logit_ever) < 1e-3
+
+
+def test_all_options_together_match_alone_fused_in_float64() -> None:
+    """float64 makes any systematic difference (an eps, a scale, a decay form, a power
+    iteration out of step) stand out far above rounding."""
+    configs = _option_configs(OPTIONS["llama"], dtype="float64", steps=30)
+    alone = [Recorder(), Recorder()]
+    for c, r in zip(configs, alone, strict=True):
+        run_trial(c, r)
+    recs = [Recorder(), Recorder()]
+    run_trial_group(configs, recs)
+    for a, f in zip(alone, recs, strict=True):
+        _assert_probes_match(a, f, F64_REL_TOL)

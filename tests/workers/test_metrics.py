@@ -18,12 +18,14 @@ from hypothesis import strategies as st
 from workers.metrics import (
     _composite_norm,
     attention_entropy,
+    attention_logit_max,
     attention_target_mass,
     attention_top1_mass,
     detect_plateaus,
     ema,
     is_trapped,
     normalized_attention_entropy,
+    output_log_z,
     plateau_stats,
     qk_eig_mean_rank,
     qk_eigen_stats,
@@ -945,3 +947,134 @@ def test_probe_metrics_store_concentration_per_layer_and_head_vs_numpy() -> None
         assert got[("attn_top1_mass", h)] == pytest.approx(top1[h], rel=1e-10)
         assert got[("attn_target_mass", h)] == pytest.approx(target[h], rel=1e-10)
     assert top1[0] > 0.05  # the test is not about near-uniform attention
+
+
+# --------------------------------------------------------------------------- 9. instability
+
+
+def _np_logit_max(q: np.ndarray, k: np.ndarray, causal: bool, scale: float) -> list[float]:
+    """Per head: max |scale * <q_i, k_j>| over batch, queries and the keys query i may attend
+    to (j <= i + S - T under a causal mask), by explicit loops over the contract's text."""
+    b, h, t, d = q.shape
+    s = k.shape[2]
+    out = []
+    for hi in range(h):
+        best = 0.0
+        for bi in range(b):
+            for i in range(t):
+                for j in range(s):
+                    if causal and j > i + (s - t):
+                        continue
+                    z = scale * sum(
+                        float(q[bi, hi, i, c]) * float(k[bi, hi, j, c]) for c in range(d)
+                    )
+                    best = max(best, abs(z))
+        out.append(best)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("scale", [None, 0.37])
+def test_attention_logit_max_vs_loops(
+    dtype: torch.dtype, causal: bool, scale: float | None
+) -> None:
+    g = _gen(11)
+    q = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64).to(dtype)
+    want = _np_logit_max(q.double().numpy(), k.double().numpy(), causal, scale or 0.5)
+    got = attention_logit_max(q, k, causal=causal, scale=scale)
+    assert got.shape == (3,) and got.dtype == dtype
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=_rtol(dtype), atol=_atol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_logit_max_causal_leaves_masked_keys_out(dtype: torch.dtype) -> None:
+    """A huge logit a causal query may not see (a later key) is not counted; without the mask
+    it is. Keys also longer than queries (S > T): the offset S - T as in the entropy."""
+    q = torch.zeros(1, 1, 3, 2, dtype=dtype)
+    k = torch.zeros(1, 1, 3, 2, dtype=dtype)
+    q[0, 0, :, 0] = torch.tensor([1.0, 2.0, 3.0], dtype=dtype)
+    k[0, 0, :, 0] = torch.tensor([1.0, 1.0, 100.0], dtype=dtype)  # key 2: only query 2 sees it
+    q[0, 0, 2, 0] = 0.0  # ... and it sees it with a zero logit
+    # causal: query 0 sees key 0 (1), query 1 keys 0, 1 (2, 2), query 2 keys 0..2 (0, 0, 0)
+    assert attention_logit_max(q, k, causal=True, scale=1.0).tolist() == [2.0]
+    assert attention_logit_max(q, k, causal=False, scale=1.0).tolist() == [200.0]
+    # S = 4 > T = 3: query i sees keys j <= i + 1
+    k4 = torch.zeros(1, 1, 4, 2, dtype=dtype)
+    k4[0, 0, :, 0] = torch.tensor([1.0, 1.0, 7.0, -50.0], dtype=dtype)
+    want = _np_logit_max(q.double().numpy(), k4.double().numpy(), True, 1.0)
+    assert want == [14.0]  # query 1 (2.0) sees key 2 (7.0); key 3 only query 2, at q = 0
+    assert attention_logit_max(q, k4, causal=True, scale=1.0).tolist() == want
+
+
+def _np_log_z(y: np.ndarray) -> float:
+    """Mean over batch and positions of log sum_v exp(y_tv), by explicit loops (shifted by the
+    row's max for the float64 exponentials)."""
+    b, t, v = y.shape
+    total = 0.0
+    for bi in range(b):
+        for ti in range(t):
+            row = [float(y[bi, ti, c]) for c in range(v)]
+            m = max(row)
+            total += m + math.log(sum(math.exp(x - m) for x in row))
+    return total / (b * t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_output_log_z_vs_loops(dtype: torch.dtype) -> None:
+    y = (torch.randn(3, 4, 7, generator=_gen(5), dtype=torch.float64) * 3 + 2).to(dtype)
+    got = output_log_z(y)
+    assert got.shape == () and got.dtype == dtype
+    assert float(got) == pytest.approx(_np_log_z(y.double().numpy()), rel=_rtol(dtype))
+
+
+def test_output_log_z_of_log_probabilities_is_zero_and_shift_adds() -> None:
+    y = torch.randn(2, 3, 5, generator=_gen(6), dtype=torch.float64)
+    logp = y.log_softmax(dim=-1)
+    assert float(output_log_z(logp)) == pytest.approx(0.0, abs=1e-12)
+    assert float(output_log_z(logp + 4.5)) == pytest.approx(4.5, abs=1e-12)
+
+
+def test_probe_metrics_store_logit_max_at_the_models_own_scale_vs_numpy() -> None:
+    """The stored layer-1 attn_logit_max: q, k recomputed here from the weights (QK-LayerNorm,
+    a temperature), logits by loops; and output_log_z from the model's own logits."""
+    from workers.model import GPT, ModelConfig
+    from workers.trial import probe_metrics
+
+    torch.manual_seed(4)
+    cfg = ModelConfig(
+        n_layers=2, n_heads=2, d_model=8, d_ff=8, norm="none", qk_norm="layernorm",
+        attn_temperature=0.25, qk_init_std=0.7,
+    )  # fmt: skip
+    model = GPT(cfg, vocab_size=10, seq_len=6).double()
+    with torch.no_grad():  # unit-scale embeddings and a non-trivial QK-LayerNorm affine
+        model.tok_emb.weight.normal_()
+        model.pos_emb.weight.normal_()
+        for n, p in model.named_parameters():
+            if "q_norm" in n or "k_norm" in n:
+                p.normal_()
+    x = torch.randint(0, 10, (3, 6))
+    points = probe_metrics(model, x)
+    params = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    emb = params["tok_emb.weight"][x.numpy()] + params["pos_emb.weight"][:6]  # (B, T, D)
+
+    def head_norm(z: np.ndarray, name: str) -> np.ndarray:
+        mu = z.mean(-1, keepdims=True)
+        var = ((z - mu) ** 2).mean(-1, keepdims=True)
+        w, b = params[f"blocks.0.attn.{name}.weight"], params[f"blocks.0.attn.{name}.bias"]
+        return (z - mu) / np.sqrt(var + 1e-5) * w + b
+
+    q = emb @ params["blocks.0.attn.q_proj.weight"].T
+    k = emb @ params["blocks.0.attn.k_proj.weight"].T
+    qh = np.stack([head_norm(q[..., 4 * h : 4 * h + 4], "q_norm") for h in range(2)], 1)
+    kh = np.stack([head_norm(k[..., 4 * h : 4 * h + 4], "k_norm") for h in range(2)], 1)
+    want = _np_logit_max(qh, kh, causal=True, scale=1.0 / (2.0 * 0.25))
+    got = {p.head: p.value for p in points if p.name == "attn_logit_max" and p.layer == 1}
+    assert len([p for p in points if p.name == "attn_logit_max"]) == 2 * 2
+    for h in range(2):
+        assert got[h] == pytest.approx(want[h], rel=1e-9)
+    assert max(want) > 5.0  # a temperature of 0.25 makes the logits large
+    logits = model(x)[0].detach().numpy()
+    (log_z,) = [p.value for p in points if p.name == "output_log_z"]
+    assert log_z == pytest.approx(_np_log_z(logits), rel=1e-9)

@@ -34,6 +34,17 @@ from workers.tasks import build_task
         {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64},
         {"n_layers": 4, "n_heads": 4, "d_model": 64, "d_ff": 256, "qk_norm": "layernorm"},
         {"n_layers": 3, "n_heads": 1, "d_model": 48, "d_ff": 96, "mlp": False, "norm": "none"},
+        # issue 34's options: SwiGLU's third matrix, RMSNorm, rotary (no position embedding)
+        {
+            "n_layers": 2,
+            "n_heads": 2,
+            "d_model": 64,
+            "d_ff": 512,
+            "mlp_type": "swiglu",
+            "norm_type": "rmsnorm",
+            "position": "rotary",
+            "sigma_reparam": "all",
+        },
     ],
 )
 def test_the_parameter_estimate_bounds_the_real_model(model: dict[str, Any]) -> None:

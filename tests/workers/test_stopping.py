@@ -6,6 +6,7 @@ members that stay feasible."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -44,6 +45,10 @@ def _min_entropies(rec: Recorder) -> list[tuple[int, float]]:
         ("min_norm_entropy", ">=", True),  # the last evaluation's: it may come back
         ("final_rank_ratio", ">=", True),
         ("plateau_count", "<=", True),
+        ("max_attn_logit_ever", "<=", False),  # a running maximum above an upper bound
+        ("max_attn_logit_ever", ">=", True),
+        ("max_abs_output_log_z_ever", "<=", False),
+        ("max_attn_logit", "<=", True),  # the last evaluation's: it may come back down
     ],
 )
 def test_which_violations_are_final_comes_from_the_registry(
@@ -57,6 +62,9 @@ def test_every_summary_says_how_it_moves() -> None:
     assert moves["min_norm_entropy_ever"] == moves["best_val_loss"] == "down"
     assert moves["init_val_loss"] == "fixed" and moves["final_val_loss"] == "any"
     assert all(s.moves == "down" for s in SUMMARIES if s.over == "min")
+    assert moves["max_attn_logit_ever"] == moves["max_abs_output_log_z_ever"] == "up"
+    assert moves["max_attn_logit"] == "any"
+    assert all(s.moves == "up" for s in SUMMARIES if s.over == "max")
 
 
 def test_patience_counts_violations_in_a_row() -> None:
@@ -114,3 +122,69 @@ def test_fused_members_stop_alone_and_the_others_go_on() -> None:
     assert [g[:4] for g in got] == [w[:4] for w in want]
     for g, w in zip(got, want, strict=True):  # fused vs alone: float32 rounding only
         assert math.isclose(g[4], w[4], rel_tol=1e-4, abs_tol=1e-6), (g, w)
+
+
+def _max_logits(rec: Recorder) -> list[tuple[int, float]]:
+    return [
+        (step, max(p.value for p in pts if p.name == "attn_logit_max")) for step, pts in rec.reports
+    ]
+
+
+def test_a_running_maximum_of_the_attention_logits_stops_at_its_first_violation() -> None:
+    """Wortsman et al.'s attention logit growth as a stop: at lr 0.01 the largest logit grows
+    from ~0.3 to ~8 in 40 steps (dipping once on the way); `max_attn_logit_ever <= 4` stops the
+    trial at the first evaluation above 4, with its reason, while the same bound on the last
+    evaluation's value (which can come back down) waits for its patience."""
+    cfg = tiny(steps=40, eval_every=5, optim={"lr": 0.01, "schedule": "constant"})
+    free, stopped = Recorder(), Recorder()
+    whole = run_trial(cfg, free)
+    curve = _max_logits(free)
+    first_bad = next(step for step, v in curve if v > 4.0)
+    assert whole.max_attn_logit_ever is not None and whole.max_attn_logit_ever > 4.0  # premise
+    assert whole.max_attn_logit_ever == max(v for _, v in curve)
+    assert 5 < first_bad < 40
+    rule = StopRule("max_attn_logit_ever", "<=", 4.0, patience=1)
+    out = run_trial(cfg, stopped, stop_rules=[rule])
+    assert out.status == "pruned" and out.steps_done == first_bad
+    assert out.stop_reason is not None and out.stop_reason.startswith("max_attn_logit_ever ")
+    assert f"> 4 at step {first_bad}" in out.stop_reason
+    assert out.max_attn_logit_ever == dict(curve)[first_bad]
+    assert stopped.stream() == free.stream()[: len(stopped.stream())]  # the same evaluations
+    # the same bound on the last evaluation's value: recoverable, so patience 3 applies
+    final = StopRule("max_attn_logit", "<=", 4.0, patience=3)
+    late = run_trial(cfg, Recorder(), stop_rules=[final])
+    assert late.status == "pruned" and late.steps_done == first_bad + 10
+
+
+def test_patience_survives_a_relaunch(tmp_path: Path) -> None:
+    """The run of violations is part of the checkpoint: a trial relaunched after its second
+    violating evaluation (a crash, a hand-back) stops at the third, as if never interrupted.
+    Before, the count started over at every resume, so a trial relaunched often enough was
+    never stopped (here: two more evaluations past the one that should have stopped it)."""
+    cfg = tiny(
+        model={"qk_init_std": 1.5},
+        steps=40,
+        eval_every=5,
+        checkpoint={"dir": str(tmp_path / "ckpt"), "every_evals": 1},
+    )
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_trial(cfg, Recorder(crash_at_step=15), stop_rules=[FINAL])  # after 2 violations
+    resumed = Recorder()
+    out = run_trial(cfg, resumed, stop_rules=[FINAL])
+    assert resumed.steps == [15]  # resumed from the checkpoint at step 10
+    assert out.status == "pruned" and out.steps_done == 15
+    assert out.stop_reason is not None and "(3 evaluations in a row)" in out.stop_reason
+
+
+def test_a_checkpoint_without_a_count_or_with_other_rules_starts_the_count_afresh() -> None:
+    stopper = Stopper([FINAL])
+    stopper.check(5, SimpleNamespace(min_norm_entropy=0.05))
+    state = stopper.state()
+    other = Stopper([StopRule("min_norm_entropy", ">=", 0.2, patience=3)])
+    other.restore(state)  # another bound: not this rule's count
+    assert other.state()[0][1] == 0
+    same = Stopper([FINAL])
+    same.restore(state)
+    assert same.state() == state
+    same.restore(None)  # a checkpoint from before the count was saved
+    assert same.state()[0][1] == 0

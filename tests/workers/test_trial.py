@@ -287,6 +287,7 @@ def test_reporter_receives_every_metric(n_layers: int, n_heads: int) -> None:
         ("val_loss", None, None),
         ("grad_norm", None, None),
         ("lr", None, None),
+        ("output_log_z", None, None),
     }
     for layer in range(1, n_layers + 1):
         for head in range(n_heads):
@@ -296,8 +297,11 @@ def test_reporter_receives_every_metric(n_layers: int, n_heads: int) -> None:
                 "qk_eig_mean",
                 "qk_eig_var",
                 "qk_eig_mean_rank",
+                "qk_eff_eig_mean",  # Pre-LN (the default): the form diag(g) W diag(g)
+                "qk_eff_eig_var",
                 "attn_top1_mass",
                 "attn_target_mass",  # associative recall knows the answer's position
+                "attn_logit_max",  # METRICS.md 9
             ):
                 expected.add((name, layer, head))
     for layer in range(n_layers + 1):

@@ -81,6 +81,27 @@ def test_trials_fill_one_workers_slots_then_wait_for_a_free_one() -> None:
     assert recs[0].status == Status.DONE and 0 not in sched.records
 
 
+def test_fixed_groups_take_no_new_trial_until_the_whole_group_has_ended() -> None:
+    """`refill: false` (the comparison with HFTA/ModelBatch-style groups): a slot freed by
+    a stopped member stays empty while the rest of its group trains; once the last member
+    has ended, a whole new group enters. With `refill: true` the same end frees its slot
+    at once (the test above)."""
+    sched, pool, study = _scheduler(fuse=2, parallelism=1, refill=False)
+    w = "study-3/worker-0"
+    recs = [_record(study) for _ in range(4)]
+    for r in recs:
+        sched.add(r)
+    sched.schedule()
+    assert [r.worker for r in recs] == [w, w, None, None]
+    sched.ended(_stopped(w, 0))
+    sched.schedule()
+    assert recs[2].status == Status.ASKED and sched.room() == 0  # the group trains on
+    sched.ended(_stopped(w, 1))
+    sched.schedule()
+    assert recs[2].worker == w and recs[3].worker == w  # a new group of two
+    assert pool.calls[-2:] == [("assign", w, [2]), ("assign", w, [3])]
+
+
 def test_a_key_of_its_own_gets_its_own_worker() -> None:
     sched, pool, study = _scheduler(fuse=4, parallelism=2)
     a, b = _record(study), _record(study, model={**TINY["model"], "d_model": 64})

@@ -37,9 +37,33 @@ export function colorOf(v, threshold) {
   return RAMP[Math.max(0, Math.min(RAMP.length - 1, Math.floor((v - threshold) / span)))];
 }
 
+// The legend and colours of the entropy heatmap (values in [0, 1], a collapse threshold).
+export const ENTROPY_SCALE = {pieces, colorOf, empty: 'no attention-entropy rows stored'};
+
+// A sequential orange ramp for unbounded non-negative values (the attention logit maximum).
+export const HEAT_RAMP = ['#fee6ce', '#fdae6b', '#fd8d3c', '#e6550d', '#a63603'];
+
+/** A colour scale of `bands` equal bands from 0 to `top` (above `top`: the last band), for a
+ * metric with no natural upper bound (attn_logit_max: `top` is the largest value stored, or
+ * the trial's constraint bound when that is larger, so the bands say where the bound is). */
+export function linearScale(top, empty) {
+  const hi = top > 0 && Number.isFinite(top) ? top : 1;
+  const span = hi / HEAT_RAMP.length;
+  const label = (x) => (hi >= 10 ? x.toFixed(0) : x.toFixed(2));
+  return {
+    empty,
+    pieces: () => HEAT_RAMP.map((c, i) => ({color: c, label: `${label(i * span)}-${label((i + 1) * span)}`})),
+    colorOf: (v) => {
+      if (v === null || v === undefined || Number.isNaN(v)) return MISSING;
+      return HEAT_RAMP[Math.max(0, Math.min(HEAT_RAMP.length - 1, Math.floor(v / span)))];
+    },
+  };
+}
+
 export class Heatmap {
-  /** rows = [{layer, head, steps, values}] in display order (top to bottom). */
-  constructor(el, rows, threshold) {
+  /** rows = [{layer, head, steps, values}] in display order (top to bottom); `scale` (default:
+   * the entropy's) gives the colours, the legend and the text shown with no rows. */
+  constructor(el, rows, threshold, scale = ENTROPY_SCALE) {
     this.el = el;
     this.disposed = false;
     this.canvas = h('canvas', {style: {display: 'block'}});
@@ -54,14 +78,15 @@ export class Heatmap {
     this.canvas.addEventListener('mouseleave', this.onLeave);
     this.canvas.addEventListener('wheel', this.onWheel, {passive: false});
     this.canvas.addEventListener('dblclick', this.onReset);
-    this.setData(rows, threshold);
+    this.setData(rows, threshold, scale);
   }
 
   /** New rows (a running trial's next evaluations): rebuild the image, keep the zoom if it fits. */
-  setData(rows, threshold) {
+  setData(rows, threshold, scale = this.scale || ENTROPY_SCALE) {
     const t0 = performance.now();
     this.rows = rows;
     this.threshold = threshold;
+    this.scale = scale;
     const all = new Set();
     for (const r of rows) for (const s of r.steps) all.add(s);
     this.steps = [...all].sort((a, b) => a - b);
@@ -82,7 +107,7 @@ export class Heatmap {
         const i = y * w + x;
         this.stored[i] = 1;
         if (v !== null) this.values[i] = v;
-        const c = colorOf(v, threshold);
+        const c = scale.colorOf(v, threshold);
         let px = colours.get(c);
         if (!px) { px = rgb(c); colours.set(c, px); }
         img.data[4 * i] = px[0];
@@ -138,7 +163,7 @@ export class Heatmap {
     const n = this.rows.length;
     if (!n || !this.steps.length) {
       ctx.textAlign = 'center';
-      ctx.fillText('no attention-entropy rows stored', this.width / 2, this.height / 2);
+      ctx.fillText(this.scale.empty, this.width / 2, this.height / 2);
       return;
     }
     const [a, b] = this.view;
@@ -183,7 +208,7 @@ export class Heatmap {
     ctx.stroke();
     ctx.fillText('step', p.x + p.w / 2, p.y + p.h + 22);
     // Legend: the pieces, top to bottom, beside the plot.
-    const items = pieces(this.threshold);
+    const items = this.scale.pieces(this.threshold);
     const top = p.y + Math.max(0, (p.h - items.length * 16) / 2);
     ctx.textAlign = 'left';
     ctx.textBaseline = 'middle';

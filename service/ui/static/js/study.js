@@ -7,6 +7,7 @@
 import {ApiError, get} from './api.js';
 import {CLASS_COLOR, PALETTE, chartBox, draw, loadECharts} from './charts.js';
 import {badge, duration, every, fill, fmt, h, pct} from './dom.js';
+import {lrSensitivityPanel} from './lrsens.js';
 
 const POLL_MS = 2500;
 const PAGE = 50;
@@ -103,8 +104,10 @@ export async function studyPage(ctx, id) {
 
   const history = chartBox(`history-${id}`, 'Optimisation history', {height: 300});
   const axisSel = (sel, value) => h('select', {id: sel}, fieldOptions(params, value));
-  const xSel = axisSel('phase-x', params[0] ? `params.${params[0]}` : 'number');
-  const ySel = axisSel('phase-y', params[1] ? `params.${params[1]}` : objectives[0].metric);
+  // Default axes: numeric parameters only (a categorical one is refused as an axis: a 422).
+  const numeric = params.filter((p) => ['float', 'int'].includes(study.spec.search_space[p].type));
+  const xSel = axisSel('phase-x', numeric[0] ? `params.${numeric[0]}` : 'number');
+  const ySel = axisSel('phase-y', numeric[1] ? `params.${numeric[1]}` : objectives[0].metric);
   const cSel = h('select', {id: 'phase-color'},
     ['collapse_class', 'state', ...NUMERIC, 'min_norm_entropy_ever', 'best_val_loss', ...params.map((p) => `params.${p}`)]
       .map((f) => h('option', {value: f}, f)));
@@ -115,6 +118,7 @@ export async function studyPage(ctx, id) {
   const importanceNote = h('div', {class: 'controls small', id: `importance-note-${id}`});
   const importance = chartBox(`importance-${id}`, 'Parameter importance', {height: 220, note: importanceNote});
   let evaluator = null;  // null: chosen by size (FANOVA_AUTO); 'fanova' once asked for
+  const lrsens = lrSensitivityPanel(id, study.spec);  // null unless the study searches optim.lr
 
   view.append(
     title,
@@ -125,6 +129,7 @@ export async function studyPage(ctx, id) {
       filters, tableError,
       h('div', {class: 'scroll'}, h('table', {class: 'grid', id: 'trials'}, tableHead, tableBody)),
       pager),
+    lrsens?.box,
     h('div', {class: 'charts'}, history.box, phase.box, pareto?.box, importance.box),
   );
 
@@ -299,7 +304,12 @@ export async function studyPage(ctx, id) {
   // ECharts (1.1 MB) only now: compiling it earlier would hold the table back. The charts'
   // data is fetched while it compiles.
   loadECharts();
-  const charts = () => Promise.all([loadHistory(), loadPhase(), loadPareto()]);
+  const loadLrSensitivity = async () => {
+    if (!lrsens) return;
+    await lrsens.load();
+    ctx.ready('lrsens');
+  };
+  const charts = () => Promise.all([loadHistory(), loadPhase(), loadPareto(), loadLrSensitivity()]);
   await charts();
   ctx.ready('studycharts');
   loadImportance().catch(ctx.onError);

@@ -1,6 +1,7 @@
 // Page 3: one trial, or 2-4 side by side (one column each). Per trial: train/val loss with
 // the plateaus (and `trapped`) marked; normalised attention entropy as a layer x head heatmap
-// over steps with the collapse threshold; rank-collapse ratio per layer; QK eigenspectrum
+// over steps with the collapse threshold, and beside it the largest attention logit per head
+// (attn_logit_max, METRICS.md 9) as a second heatmap; rank-collapse ratio per layer; QK eigenspectrum
 // mean and variance per head; the regularizer's penalty; config, summary, state, attempts
 // and node. Every series a chart draws comes from one route (/v1/trials/{id}/series?name=...),
 // in one call up to 200,000 rows, page by page beyond (api.js getSeries).
@@ -12,13 +13,13 @@
 import {get, getSeries} from './api.js';
 import {COLLAPSED, chartBox, draw, lineOption, loadECharts, register} from './charts.js';
 import {badge, duration, every, fill, fmt, h, kvTable} from './dom.js';
-import {Heatmap} from './heatmap.js';
+import {Heatmap, linearScale} from './heatmap.js';
 
 const POLL_MS = 3000;
 const OPEN = new Set(['QUEUED', 'RUNNING']);
 const MAX_HEAD_LINES = 16;  // per-head curves drawn at once; more: one layer at a time
 // The series the page draws (attn_entropy, grad_norm and lr are not drawn: not fetched).
-const DRAWN = ['train_loss', 'val_loss', 'attn_entropy_norm', 'rank_ratio', 'qk_eig_mean', 'qk_eig_var', 'reg_penalty'];
+const DRAWN = ['train_loss', 'val_loss', 'attn_entropy_norm', 'attn_logit_max', 'rank_ratio', 'qk_eig_mean', 'qk_eig_var', 'reg_penalty'];
 
 /** A threshold from the trial's params (if searched) else the study's base config. */
 function threshold(trial, study, name, fallback) {
@@ -93,6 +94,8 @@ function layout(p, trial, study, n) {
     loss: chartBox(`loss-${id}`, 'Loss (plateaus shaded)', {height}),
     heat: chartBox(`heatmap-${id}`, 'Normalised attention entropy, layer x head over steps', {height: height + 40,
       note: h('p', {class: 'small', id: `collapsed-${id}`})}),
+    logits: chartBox(`logitmap-${id}`, 'Largest |attention logit|, layer x head over steps', {height: height + 40,
+      note: h('p', {class: 'small', id: `logitmax-${id}`})}),
     rank: chartBox(`rank-${id}`, 'Rank-collapse ratio per layer (0: embeddings)', {height}),
     layerPick: h('select', {id: `heads-layer-${id}`, class: 'small'}),
     eigMean: null,
@@ -107,7 +110,8 @@ function layout(p, trial, study, n) {
     p.layer = parts.layerPick.value;
     drawHeads(p).catch((e) => console.warn(e));
   });
-  p.pane.append(parts.head, parts.loss.box, parts.heat.box, parts.rank.box, parts.eigMean.box, parts.eigVar.box, parts.penalty.box, parts.tables);
+  const heats = h('div', {class: 'heat-pair'}, parts.heat.box, parts.logits.box);
+  p.pane.append(parts.head, parts.loss.box, heats, parts.rank.box, parts.eigMean.box, parts.eigVar.box, parts.penalty.box, parts.tables);
   return parts;
 }
 
@@ -120,6 +124,34 @@ async function drawHeads(p) {
     .map((s) => ({...s, name: headLabel(s)}));
   await draw(p.parts.eigMean.el, lineOption(perHead('qk_eig_mean')));
   await draw(p.parts.eigVar.el, lineOption(perHead('qk_eig_var')));
+}
+
+/** A `<=` bound of the study's constraints on the logit summaries, or null. */
+function logitBound(study) {
+  const cons = (study.spec?.constraints || []).filter(
+    (c) => (c.metric === 'max_attn_logit_ever' || c.metric === 'max_attn_logit') && c.op === '<=' && typeof c.value === 'number');
+  return cons.length ? Math.min(...cons.map((c) => c.value)) : null;
+}
+
+/** The attn_logit_max heatmap, beside the entropy's: the same rows (layer x head) and steps. */
+function drawLogitMap(p, trial, study, series) {
+  const el = p.parts.logits.el;
+  const rows = (series.attn_logit_max || []).slice().sort((a, b) => a.layer - b.layer || a.head - b.head);
+  let top = 0;
+  for (const r of rows) for (const v of r.values) if (v !== null && Number.isFinite(v)) top = Math.max(top, v);
+  const bound = logitBound(study);
+  const scale = linearScale(Math.max(top, bound ?? 0), 'no attention-logit rows stored (trained before the probe existed)');
+  el.style.height = `${Math.min(640, Math.max(p.logitHeight ??= el.clientHeight, 12 * rows.length + 52))}px`;
+  const heat = window.qkCharts.get(el.id);
+  if (heat instanceof Heatmap && !heat.isDisposed() && heat.getDom() === el) heat.setData(rows, 0, scale);
+  else register(el, new Heatmap(el, rows, 0, scale));
+  el.dataset.cells = String(rows.reduce((n, s) => n + s.steps.length, 0));
+  el.dataset.max = String(top);
+  const summary = trial.summary || {};
+  fill(document.getElementById(`logitmax-${p.id}`),
+    rows.length === 0 ? h('span', {class: 'muted'}, 'no attention-logit rows stored') :
+      `Largest |logit| ever ${fmt(summary.max_attn_logit_ever ?? top)}, at the last evaluation ${fmt(summary.max_attn_logit)}` +
+      (bound === null ? '.' : `; the study's bound is ${bound}.`));
 }
 
 async function render(p, trial, study, data) {
@@ -171,6 +203,7 @@ async function render(p, trial, study, data) {
         [h('span', {style: {color: COLLAPSED, fontWeight: 'bold'}}, `Below the collapse threshold ${entThr}: `),
           collapsed.map((c) => `${headLabel(c)} (from step ${c.first}, min ${fmt(c.min)})`).join('; ')]);
   parts.heat.el.dataset.collapsed = collapsed.map(headLabel).join(',');
+  drawLogitMap(p, trial, study, series);
 
   await draw(parts.loss.el, lineOption(loss, {yName: 'nats', markAreas: areas}));
   const layers = (series.rank_ratio || []).map((s) => ({...s, name: `layer ${s.layer}`}));

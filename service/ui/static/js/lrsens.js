@@ -1,0 +1,114 @@
+// The LR-sensitivity panel of a study's page (Wortsman et al. 2024, Figure 1; METRICS.md
+// section 9): the final validation loss against the learning rate on a log axis, one line per
+// group (the median over seeds, whiskers from the lowest to the highest seed), the untrained
+// model's loss l_0 of each group dashed in its colour, and each group's LR sensitivity with its
+// t interval in the legend. Shown only for a study that searches optim.lr; the numbers are
+// GET /v1/studies/{id}/lr-sensitivity's, drawn as they come.
+
+import {ApiError, get} from './api.js';
+import {PALETTE, chartBox, draw} from './charts.js';
+import {fill, fmt, h} from './dom.js';
+
+export const LR_PARAM = 'optim.lr';
+
+/** `model.qk_norm=none` (or `all` when nothing else varies). */
+export function groupLabel(g) {
+  const parts = Object.entries(g.params).map(([k, v]) => `${k}=${v}`);
+  return parts.length ? parts.join(', ') : 'all';
+}
+
+function legendName(g) {
+  const ci = g.ci_low === null ? '' : ` [${fmt(g.ci_low, 3)}, ${fmt(g.ci_high, 3)}]`;
+  return `${groupLabel(g)}: LR sensitivity ${fmt(g.sensitivity, 3)}${ci} (${g.n_seeds} seeds)`;
+}
+
+/** Whiskers from the lowest to the highest seed at each learning rate. */
+function whiskers(color) {
+  return (params, api) => {
+    const x = api.value(0);
+    const a = api.coord([x, api.value(1)]);
+    const b = api.coord([x, api.value(2)]);
+    const style = {stroke: color, lineWidth: 1, opacity: 0.7};
+    return {type: 'group', children: [
+      {type: 'line', shape: {x1: a[0], y1: a[1], x2: b[0], y2: b[1]}, style},
+      {type: 'line', shape: {x1: a[0] - 4, y1: a[1], x2: a[0] + 4, y2: a[1]}, style},
+      {type: 'line', shape: {x1: b[0] - 4, y1: b[1], x2: b[0] + 4, y2: b[1]}, style},
+    ]};
+  };
+}
+
+/** The ECharts option for an /lr-sensitivity answer. */
+export function lrOption(d) {
+  const series = [];
+  d.groups.forEach((g, i) => {
+    const color = PALETTE[i % PALETTE.length];
+    const name = legendName(g);
+    const pts = g.curve.filter((p) => p.median !== null);
+    series.push({
+      name, type: 'line', color, symbol: 'circle', symbolSize: 7, lineStyle: {width: 2},
+      data: pts.map((p) => ({value: [p.lr, p.median], n: p.n, diverged: p.diverged})),
+      markLine: g.l0 === null ? undefined : {
+        symbol: 'none', silent: true,
+        lineStyle: {type: 'dashed', color, width: 1.5},
+        label: {formatter: 'l\u2080', position: 'insideStartTop', color},
+        data: [{yAxis: g.l0, name: 'l0'}],
+      },
+    });
+    series.push({
+      name, type: 'custom', color, silent: true, z: 1,
+      renderItem: whiskers(color),
+      encode: {x: 0, y: [1, 2]},
+      data: pts.filter((p) => p.n > 1).map((p) => [p.lr, p.min, p.max]),
+    });
+  });
+  return {
+    grid: {left: 64, right: 28, top: 28 + 22 * d.groups.length, bottom: 48},
+    legend: {top: 0, left: 0, orient: 'vertical', data: d.groups.map(legendName)},
+    tooltip: {trigger: 'item', confine: true, formatter: (p) => {
+      if (p.seriesType !== 'line') return '';
+      const [lr, loss] = p.value.value || p.value;
+      const div = p.data.diverged ? `, ${p.data.diverged} diverged (counted as l\u2080)` : '';
+      return `${p.seriesName.split(':')[0]}<br>lr ${fmt(lr)}: final loss ${fmt(loss)} (median of ${p.data.n} seeds${div})`;
+    }},
+    xAxis: {type: 'log', name: 'learning rate', nameLocation: 'middle', nameGap: 28, logBase: 10,
+      min: d.grid[0] / 1.5, max: d.grid[d.grid.length - 1] * 1.5,
+      axisLabel: {showMinLabel: false, showMaxLabel: false, formatter: (v) => (v < 1e-3 ? v.toExponential(0) : String(Number(v.toPrecision(2))))}},
+    yAxis: {type: 'value', name: 'final validation loss', nameLocation: 'middle', nameGap: 44, scale: true},
+    series,
+  };
+}
+
+/** The panel (null when the study does not search optim.lr): {box, load}. */
+export function lrSensitivityPanel(studyId, spec) {
+  const space = spec.search_space || {};
+  if (!space[LR_PARAM] || space[LR_PARAM].type === 'fixed') return null;
+  const note = h('div', {class: 'muted small', id: `lrsens-note-${studyId}`});
+  const {box, el} = chartBox(`lrsens-${studyId}`, 'Learning-rate sensitivity', {height: 380, note});
+  box.id = `lrsens-panel-${studyId}`;
+  box.classList.add('wide');
+
+  async function load() {
+    let d;
+    try {
+      d = await get(`/v1/studies/${studyId}/lr-sensitivity`);
+    } catch (e) {
+      if (!(e instanceof ApiError)) throw e;
+      fill(note);
+      await draw(el, {title: {text: e.message, left: 'center', top: 'middle', textStyle: {fontSize: 12, fontWeight: 'normal', color: '#666', width: 560, overflow: 'break'}}});
+      return;
+    }
+    const out = d.groups.flatMap((g) => g.left_out.map((o) => `${groupLabel(g)}, seed ${o.seed}: ${o.reason}`));
+    fill(note,
+      h('div', {}, `Final validation loss against the learning rate: median over seeds, whiskers from the lowest to the highest seed, dashed: l\u2080 (the untrained model). `,
+        `LR sensitivity = mean over the ${d.grid.length} learning rates of [min(l, l\u2080) \u2212 l*] per seed (a diverged run counts as l\u2080), then the mean over seeds with its ${Math.round(100 * d.confidence)} % t interval.`,
+        d.log_spaced ? '' : ' The grid is not equally spaced in log lr.'),
+      out.length ? h('details', {}, h('summary', {}, `${out.length} seed(s) left out until their grid is complete`), h('ul', {}, out.map((t) => h('li', {}, t)))) : null);
+    if (!d.groups.length) {
+      await draw(el, {title: {text: 'No finished trials yet.', left: 'center', top: 'middle', textStyle: {fontSize: 12, fontWeight: 'normal', color: '#666'}}});
+      return;
+    }
+    await draw(el, lrOption(d));
+  }
+
+  return {box, load};
+}

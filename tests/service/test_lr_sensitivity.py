@@ -1,0 +1,323 @@
+"""Learning-rate sensitivity (METRICS.md section 9): the computation against hand-computed
+numbers, then end to end on trial and metric rows written by the real store (insert_queued,
+record_starts, store_reports, record_result) and read through GET
+/v1/studies/{id}/lr-sensitivity, on SQLite and PostgreSQL. Expectations are computed
+independently here, from the numbers the test wrote."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine
+
+from service.read.lr_sensitivity import TrialPoint, lr_sensitivity, summarize_group
+from service.spec import parse_spec
+from service.store import Store
+from service.store.session import make_sessionmaker
+from service.store.trials import ResultRow, StartRow
+from tests.service.conftest import create_via_api
+
+T_2DF = 4.302652729911275  # Student t, 97.5 % quantile, 2 degrees of freedom (tables)
+
+
+# --- the computation, by hand -------------------------------------------------------------------
+
+
+def test_definition_edge_cases_of_metrics_md() -> None:
+    # "0 when every learning rate reaches the best loss"
+    assert lr_sensitivity([2.0, 2.0, 2.0], l0=5.0) == 0.0
+    # "l_0 - l* when only one does" (the others diverged: counted as l_0)
+    assert lr_sensitivity([5.0, 2.0, 5.0, 5.0], l0=5.0) == pytest.approx(0.75 * (5.0 - 2.0))
+    # a finite loss above l_0 is clipped to l_0 by min(l, l_0)
+    assert lr_sensitivity([9.0, 2.0], l0=5.0) == pytest.approx((5.0 - 2.0 + 0.0) / 2)
+
+
+GRID = [1e-3, 1e-2, 1e-1, 1.0]
+
+
+def pts(seed: int, l0: float, losses: list[float | None], diverged: tuple[int, ...] = ()):
+    return [
+        TrialPoint(seed, eta, loss, i in diverged, l0)
+        for i, (eta, loss) in enumerate(zip(GRID, losses, strict=True))
+        if loss is not None or i in diverged
+    ]
+
+
+def test_group_against_a_hand_computation() -> None:
+    trials = [
+        # seed 0: l0 5.0; the top learning rate DIVERGED -> 5.0; l* 2
+        # terms 1, 0, 2, 3 -> 1.5
+        *pts(0, 5.0, [3.0, 2.0, 4.0, None], diverged=(3,)),
+        # seed 1: l0 5.2; 6.0 is finite but above l0 (clipped); NaN counts as l0; l* 2.5
+        # terms 1.0, 0, 2.7, 2.7 -> 1.6
+        *pts(1, 5.2, [3.5, 2.5, 6.0, math.nan]),
+        # seed 2: l0 5.1, all train; l* 2.2; terms 0.6, 0, 0.2, 0.4 -> 0.3
+        *pts(2, 5.1, [2.8, 2.2, 2.4, 2.6]),
+        # seed 3: lr 1 not finished -> left out, not biasing
+        *pts(3, 5.0, [2.0, 2.0, 2.0, None]),
+    ]
+    g = summarize_group({"model.qk_norm": "none"}, GRID, trials, {3: {1.0: "RUNNING"}})
+    assert [s.seed for s in g.seeds] == [0, 1, 2]
+    assert [s.sensitivity for s in g.seeds] == pytest.approx([1.5, 1.6, 0.3])
+    assert g.seeds[0].losses == [3.0, 2.0, 4.0, 5.0]
+    assert g.seeds[1].losses == pytest.approx([3.5, 2.5, 6.0, 5.2])
+    assert g.sensitivity == pytest.approx(3.4 / 3)
+    # sd of (1.5, 1.6, 0.3): sqrt(1.04667 / 2) = 0.72342
+    half = T_2DF * math.sqrt((0.3667**2 + 0.4667**2 + 0.8333**2) / 2) / math.sqrt(3)
+    assert g.ci_low == pytest.approx(3.4 / 3 - half, abs=2e-3)
+    assert g.ci_high == pytest.approx(3.4 / 3 + half, abs=2e-3)
+    assert g.n_seeds == 3
+    assert [(o.seed, o.missing_lrs) for o in g.left_out] == [(3, [1.0])]
+    assert "1 RUNNING" in g.left_out[0].reason
+    # l0: the mean of the seeds' step-0 losses (seed 3 has one too)
+    assert g.l0 == pytest.approx((5.0 + 5.2 + 5.1 + 5.0) / 4)
+    # the curve at lr 1: seeds 0, 1 (diverged: their l0) and 2; seed 3 has no point
+    top = g.curve[-1]
+    assert (top.lr, top.n, top.diverged) == (1.0, 3, 2)
+    assert (top.median, top.min, top.max) == pytest.approx((5.0, 2.6, 5.2))
+    # at lr 0.1, all four seeds: 4.0, 6.0, 2.4, 2.0 -> median 3.2, quartiles by interpolation
+    mid = g.curve[2]
+    assert (mid.n, mid.median, mid.min, mid.max) == (4, pytest.approx(3.2), 2.0, 6.0)
+    assert (mid.q25, mid.q75) == pytest.approx((2.3, 4.5))
+
+
+def test_a_seed_without_step_0_is_left_out_and_one_seed_has_no_interval() -> None:
+    trials = [*pts(0, 5.0, [3.0, 2.0, 4.0, 4.5])]
+    trials += [TrialPoint(1, eta, 3.0, False, None) for eta in GRID]
+    g = summarize_group({}, GRID, trials)
+    assert g.n_seeds == 1 and g.sensitivity == pytest.approx((1 + 0 + 2 + 2.5) / 4)
+    assert g.ci_low is None and g.ci_high is None
+    assert [o.seed for o in g.left_out] == [1] and "step-0" in g.left_out[0].reason
+
+
+# --- end to end: rows written by the real store, read through the API --------------------------
+
+E2E_GRID = [1e-4, 1e-3, 1e-2, 1e-1, 1.0]
+SEEDS = [0, 1, 2]
+NORMS = ["none", "layernorm"]
+
+
+def lr_spec(name: str, **over: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": name,
+        "base": {"steps": 100, "eval_every": 50, "eval_at_init": True},
+        "search_space": {
+            "optim.lr": {"type": "float", "low": 1e-4, "high": 1.0, "log": True,
+                         "grid": E2E_GRID},
+            "model.qk_norm": {"type": "categorical", "choices": NORMS},
+            "seed": {"type": "int", "low": 0, "high": 10, "grid": SEEDS},
+        },
+        "sampler": {"kind": "grid", "seed": 0},
+        "budget": {"n_trials": len(E2E_GRID) * len(SEEDS) * len(NORMS) + 2},
+    }  # fmt: skip
+    spec.update(over)
+    return spec
+
+
+def l0_of(norm: str, seed: int) -> float:
+    return 7.6 + 0.01 * seed + (0.05 if norm == "layernorm" else 0.0)
+
+
+def final_of(norm: str, seed: int, eta: float) -> float | None:
+    """None: diverged. Without qk-layernorm the top lr diverges and 0.1 ends above l0."""
+    if norm == "none" and eta == 1.0:
+        return None
+    if norm == "none" and eta == 0.1:
+        return 8.0 + 0.1 * seed
+    return 3.0 + 0.3 * (math.log10(eta) + 2.5) ** 2 + 0.02 * seed
+
+
+def write_trial(
+    store: Store, sid: int, number: int, norm: str, seed: int, eta: float, state: str | None
+) -> None:
+    """What the runner writes for one trial: its row, its start, its step-0 and final
+    evaluations, and its result (`state` None: left RUNNING)."""
+    params = {"optim.lr": eta, "model.qk_norm": norm, "seed": seed}
+    rid = store.trials.insert_queued(sid, number, params, seed)
+    store.trials.record_starts({rid: StartRow("node-a", 1, 1.7e9)})
+    l0, final = l0_of(norm, seed), final_of(norm, seed, eta)
+    last = math.nan if final is None else final
+    store.trials.store_reports(
+        [(rid, 0, "val_loss", None, None, l0), (rid, 100, "val_loss", None, None, last)]
+    )
+    if state is None:
+        return
+    diverged = final is None
+    summary = {
+        "status": "diverged" if diverged else state.lower(),
+        "steps_done": 50 if diverged else 100,
+        "final_val_loss": final,
+        "init_val_loss": l0,
+        **({"diverged_at_step": 50} if diverged else {}),
+    }
+    row = ResultRow(
+        state="DIVERGED" if diverged else state,  # type: ignore[arg-type]
+        summary=summary,
+        node="node-a",
+        values=[last],
+        feasible=True,
+        last_step=100,
+        started_at=None,
+        finished_at=None,
+        duration_s=1.0,
+    )
+    assert store.trials.record_result(rid, row)
+
+
+def expected_group(norm: str) -> dict[str, Any]:
+    """The group's numbers computed here from final_of/l0_of, independently of the module."""
+    per_seed = []
+    for seed in SEEDS:
+        l0 = l0_of(norm, seed)
+        ls = [final_of(norm, seed, eta) for eta in E2E_GRID]
+        ls2 = [l0 if v is None else v for v in ls]
+        best = min(ls2)
+        per_seed.append(sum(min(v, l0) - best for v in ls2) / len(ls2))
+    mean = sum(per_seed) / len(per_seed)
+    half = T_2DF * statistics.stdev(per_seed) / math.sqrt(len(per_seed))
+    return {"per_seed": per_seed, "mean": mean, "lo": mean - half, "hi": mean + half}
+
+
+def _parse(body: dict[str, Any]) -> Any:
+    import json
+
+    return parse_spec(json.dumps(body).encode(), "json")
+
+
+def seed_lr_study(engine: Engine, name: str = "lr-sens") -> int:
+    """An lr x qk_norm x seed grid study written through the store (every trial finished),
+    plus seed 3 of "none": lr 1e-4 finished, 1e-3 still running, 1e-2 pruned, the rest not
+    asked yet. Its id."""
+    store = Store(make_sessionmaker(engine))
+    study, _ = store.studies.create(_parse(lr_spec(name)))
+    sid = int(study.id)
+    n = 0
+    for norm in NORMS:
+        for seed in SEEDS:
+            for eta in E2E_GRID:
+                write_trial(store, sid, n, norm, seed, eta, "COMPLETE")
+                n += 1
+    write_trial(store, sid, n, "none", 3, 1e-4, "COMPLETE")
+    write_trial(store, sid, n + 1, "none", 3, 1e-3, None)
+    write_trial(store, sid, n + 2, "none", 3, 1e-2, "PRUNED")
+    return sid
+
+
+@pytest.fixture(scope="module")
+def seeded(client: TestClient, engine: Engine) -> int:
+    return seed_lr_study(engine)
+
+
+def get(client: TestClient, sid: int, **params: Any) -> Any:
+    return client.get(f"/v1/studies/{sid}/lr-sensitivity", params=params)
+
+
+def test_api_answers_the_independent_computation(client: TestClient, seeded: int) -> None:
+    r = get(client, seeded, group_by="model.qk_norm")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["grid"] == E2E_GRID and body["group_by"] == ["model.qk_norm"]
+    assert body["log_spaced"] is True and body["confidence"] == 0.95
+    groups = {g["params"]["model.qk_norm"]: g for g in body["groups"]}
+    assert set(groups) == set(NORMS)
+    for norm in NORMS:
+        g, want = groups[norm], expected_group(norm)
+        assert g["n_seeds"] == 3
+        assert [s["seed"] for s in g["seeds"]] == SEEDS
+        assert [s["sensitivity"] for s in g["seeds"]] == pytest.approx(want["per_seed"])
+        assert g["sensitivity"] == pytest.approx(want["mean"])
+        assert (g["ci_low"], g["ci_high"]) == pytest.approx((want["lo"], want["hi"]))
+        # l0 from the step-0 val_loss rows (seed 3 of "none" counts: it has a step 0)
+        seeds_l0 = [l0_of(norm, s) for s in (SEEDS + [3] if norm == "none" else SEEDS)]
+        assert g["l0"] == pytest.approx(sum(seeds_l0) / len(seeds_l0))
+        for point, eta in zip(g["curve"], E2E_GRID, strict=True):
+            vals = [final_of(norm, s, eta) for s in SEEDS]
+            vals = [l0_of(norm, s) if v is None else v for s, v in zip(SEEDS, vals, strict=True)]
+            if norm == "none" and eta == 1e-4:
+                vals.append(final_of("none", 3, eta))  # seed 3's one finished point
+            assert point["lr"] == eta and point["n"] == len(vals)
+            assert point["median"] == pytest.approx(statistics.median(vals))
+            assert (point["min"], point["max"]) == pytest.approx((min(vals), max(vals)))
+            assert point["diverged"] == (3 if norm == "none" and eta == 1.0 else 0)
+    # qk-layernorm: nothing diverges, so it is the less sensitive group
+    assert groups["layernorm"]["sensitivity"] < groups["none"]["sensitivity"]
+    (out,) = groups["none"]["left_out"]
+    assert out["seed"] == 3 and out["missing_lrs"] == E2E_GRID[1:]
+    assert "RUNNING" in out["reason"] and "PRUNED" in out["reason"]
+    assert "not started" in out["reason"]
+    assert groups["layernorm"]["left_out"] == []
+
+
+def test_default_group_by_is_every_other_searched_parameter(
+    client: TestClient, seeded: int
+) -> None:
+    a, b = get(client, seeded).json(), get(client, seeded, group_by="model.qk_norm").json()
+    assert a == b
+
+
+def test_bad_requests_name_the_field(client: TestClient, seeded: int) -> None:
+    def err(r: Any, field: str, *words: str) -> None:
+        assert r.status_code == 422, r.text
+        body = r.json()
+        assert [e["field"] for e in body["errors"]] == [field]
+        for w in words:
+            assert w in body["message"]
+
+    err(get(client, seeded, group_by="model.nope"), "group_by", "model.nope")
+    err(get(client, seeded, group_by="seed"), "group_by", "seed")
+    err(get(client, seeded, group_by="optim.lr"), "group_by", "optim.lr")
+    no_lr = lr_spec("no-lr")
+    del no_lr["search_space"]["optim.lr"]
+    sid = create_via_api(client, no_lr)
+    err(get(client, sid), "optim.lr", "optim.lr")
+    sampled = lr_spec("sampled-lr", sampler={"kind": "random", "seed": 0})
+    err(get(client, create_via_api(client, sampled)), "optim.lr", "grid")
+    no_init = lr_spec("no-init", base={"steps": 100, "eval_every": 50})
+    err(get(client, create_via_api(client, no_init)), "base.eval_at_init", "eval_at_init")
+    assert get(client, 999_999).status_code == 404
+
+
+def test_pooling_a_varying_parameter_is_refused(client: TestClient, engine: Engine) -> None:
+    spec = lr_spec("two-factors")
+    spec["search_space"]["optim.weight_decay"] = {"type": "categorical", "choices": [0.0, 0.1]}
+    sid = create_via_api(client, spec)
+    r = get(client, sid, group_by="model.qk_norm")
+    assert r.status_code == 422 and "optim.weight_decay" in r.json()["message"]
+    r = get(client, sid, group_by=["model.qk_norm", "optim.weight_decay"])
+    assert r.status_code == 200 and r.json()["groups"] == []  # no trials yet
+
+
+def test_needs_the_token(client: TestClient, seeded: int) -> None:
+    r = client.get(
+        f"/v1/studies/{seeded}/lr-sensitivity", headers={"Authorization": "Bearer wrong"}
+    )
+    assert r.status_code == 401
+
+
+# --- the shipped definition -----------------------------------------------------------------
+
+
+def test_the_shipped_definition_is_a_study_the_route_answers() -> None:
+    """study_defs/lr_sensitivity.yaml is route-ready: a grid over optim.lr from 1e-4 to 1, at
+    least 7 points equally spaced in log lr, grouped by its intervention alone, eval_at_init
+    (l_0), nothing pruned, 5 seeds. (tests/test_study_defs.py checks it is a valid study within
+    the default limits whose budget is its grid; training is not repeated here, to keep CI
+    cheap.)"""
+    from service.read.lr_sensitivity import _grid, _group_by, _log_spaced, _measures_init
+    from service.store.models import Study
+    from tests.conftest import ROOT
+
+    path = ROOT / "study_defs" / "lr_sensitivity.yaml"
+    spec = parse_spec(path.read_bytes(), "application/yaml")
+    row = Study(id=1, spec=spec.model_dump(mode="json"))
+    grid = _grid(row)
+    assert len(grid) >= 7 and grid[0] == 1e-4 and grid[-1] == 1.0 and _log_spaced(grid)
+    assert _group_by(row, None) == ["model.qk_norm"]
+    _measures_init(row)  # no 422
+    assert spec.base.eval_at_init and spec.base.task.kind == "lm"
+    assert spec.pruner.kind == "none" and spec.constraints == []
+    assert len(set(spec.search_space["seed"].grid or [])) >= 5
