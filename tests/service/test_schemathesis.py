@@ -67,9 +67,12 @@ CANCEL = "POST /v1/studies/{study_id}/cancel"
 SEED_SPEC: dict[str, Any] = {
     "name": "seeded",
     "budget": {"n_trials": 20},
+    # eval_at_init and optim.lr on a grid: GET /lr-sensitivity can answer 200 for it too.
+    "base": {"eval_at_init": True},
     "search_space": {
         "regularizer.lambda": {"type": "float", "low": 0.0001, "high": 1.0, "log": True},
         "model.norm": {"type": "categorical", "choices": ["pre", "post"]},
+        "optim.lr": {"type": "categorical", "choices": [0.001, 0.01]},
     },
 }
 # Five COMPLETE trials: the fewest GET /importance ranks (MIN_TRIALS), so it can answer 200.
@@ -132,6 +135,7 @@ def seed(engine: Engine) -> int:
                     params={
                         "regularizer.lambda": 0.001 * (n + 1),
                         "model.norm": ("pre", "post")[n % 2],
+                        "optim.lr": (0.001, 0.01)[n % 2],
                     },
                     value=1.0 + n if done else None,
                     values=[1.0 + n] if done else None,
