@@ -35,11 +35,11 @@ class _ValLoss:
     def __init__(self) -> None:
         self.at: dict[int, float] = {}
 
-    def report(self, step: int, metrics: list[MetricPoint]) -> bool:
+    def report(self, step: int, metrics: list[MetricPoint], value: float | None) -> str | None:
         for point in metrics:
             if point.name == "val_loss":
                 self.at[step] = point.value
-        return False
+        return None
 
 
 def _config(seed: int, lam: float, qk: float, steps: int) -> TrialConfig:

@@ -53,10 +53,10 @@ def _curves(job: tuple[dict[str, Any], dict[str, float]]) -> dict[str, Any]:
     seen: list[tuple[int, list[MetricPoint]]] = []
 
     class Keep:
-        def report(self, step: int, metrics: list[MetricPoint]) -> bool:
+        def report(self, step: int, metrics: list[MetricPoint], value: float | None) -> str | None:
             if step > 0:
                 seen.append((step, list(metrics)))
-            return False
+            return None
 
     run_trial(cfg, Keep())
     out: dict[str, Any] = {"steps": [s for s, _ in seen], "params": params}

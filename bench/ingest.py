@@ -95,7 +95,7 @@ def produce(
     for i in range(n_reports):
         step = first_step + (i + 1) * 50
         pts = eval_points(layers, heads, step)
-        reporter.report(step, pts)
+        reporter.report(step, pts, None)
         sent += len(pts)
     reporter.flush()
     return sent, time.perf_counter() - t0

@@ -327,10 +327,10 @@ def _tune_trainable(config: dict[str, Any]) -> None:
     cfg = make_trial_config(config["__steps"], params, ckpt)
 
     class Reporter:
-        def report(self, step: int, metrics: list[Any]) -> bool:
+        def report(self, step: int, metrics: list[Any], value: float | None) -> str | None:
             val = next(m.value for m in metrics if m.name == "val_loss")
             tune.report({"final_val_loss": val, "step": step})
-            return False
+            return None
 
     summary = run_trial(cfg, Reporter())
     tune.report(
@@ -415,10 +415,10 @@ def run_optuna(args: argparse.Namespace, work: Path) -> Result:
         cfg = make_trial_config(args.steps, params, str(work / "ckpt-optuna" / str(trial.number)))
 
         class Reporter:
-            def report(self, step: int, metrics: list[Any]) -> bool:
+            def report(self, step: int, metrics: list[Any], value: float | None) -> str | None:
                 val = next(m.value for m in metrics if m.name == "val_loss")
                 trial.report(val, step)
-                return trial.should_prune()
+                return "optuna pruner" if trial.should_prune() else None
 
         summary = run_trial(cfg, Reporter())
         compute.append(summary.wall_time_s)

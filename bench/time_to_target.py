@@ -166,11 +166,11 @@ def run_optuna(seed: int, budget: float, steps: int, trials: int) -> list[End]:
         cfg = _config(steps, _suggest(trial))
 
         class Reporter:
-            def report(self, step: int, metrics: list[Any]) -> bool:
+            def report(self, step: int, metrics: list[Any], value: float | None) -> str | None:
                 if step == 0:
-                    return False
+                    return None
                 trial.report(next(m.value for m in metrics if m.name == "val_loss"), step)
-                return trial.should_prune()
+                return "optuna pruner" if trial.should_prune() else None
 
         s = run_trial(cfg, Reporter())
         ok = s.status == "completed" and feasible(s)
@@ -204,11 +204,11 @@ def _tune_trainable(config: dict[str, Any]) -> None:
     cfg = _config(config["__steps"], {k: config[k] for k in SPACE})
 
     class Reporter:
-        def report(self, step: int, metrics: list[Any]) -> bool:
+        def report(self, step: int, metrics: list[Any], value: float | None) -> str | None:
             if step > 0:
                 val = next(m.value for m in metrics if m.name == "val_loss")
                 tune.report({"final_val_loss": val, "step": step, "done_at": time.time()})
-            return False
+            return None
 
     s = run_trial(cfg, Reporter())
     tune.report(

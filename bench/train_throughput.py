@@ -51,9 +51,9 @@ class RecordingReporter:
     def __init__(self) -> None:
         self.reports: list[tuple[int, list[MetricPoint]]] = []
 
-    def report(self, step: int, metrics: list[MetricPoint]) -> bool:
+    def report(self, step: int, metrics: list[MetricPoint], value: float | None) -> str | None:
         self.reports.append((step, metrics))
-        return False
+        return None
 
 
 def _sync(device: torch.device) -> None:

@@ -38,7 +38,15 @@ from torch import Tensor
 
 from workers.checkpoints import claim_dir, read_stopped, write_stopped
 from workers.config import MetricPoint, TrialConfig, TrialStatus, TrialSummary
-from workers.evaluation import History, init_points, penalty, probe_metrics, summarize, val_loss
+from workers.evaluation import (
+    History,
+    init_points,
+    intermediate_value,
+    penalty,
+    probe_metrics,
+    summarize,
+    val_loss,
+)
 from workers.model import GPT
 from workers.regularizers import z_loss
 from workers.stopping import Stopper, StopRule
@@ -66,14 +74,16 @@ evaluation)."""
 
 
 class Reporter(Protocol):
-    """Receives each evaluation; returning True asks the trial to stop (pruning)."""
+    """Receives each evaluation and, with an objective, its intermediate value (None
+    without one); returns why the trial should stop (its owner's pruner said so), or None
+    to go on."""
 
-    def report(self, step: int, metrics: list[MetricPoint]) -> bool: ...
+    def report(self, step: int, metrics: list[MetricPoint], value: float | None) -> str | None: ...
 
 
 class NullReporter:
-    def report(self, step: int, metrics: list[MetricPoint]) -> bool:
-        return False
+    def report(self, step: int, metrics: list[MetricPoint], value: float | None) -> str | None:
+        return None
 
 
 # ---- training setup, per trial ----------------------------------------------------------------
@@ -164,6 +174,7 @@ class Member:
     summary: TrialSummary | None = None  # set when it has finished
     tag: Any = None  # the caller's handle (e.g. the trial number)
     stopper: Stopper | None = None  # the study's constraints, checked at every evaluation
+    objective: str | None = None  # the summary whose intermediate value each report carries
     stop_reason: str | None = None
     error: OSError | None = None  # its own storage failed: it leaves without a result
 
@@ -185,10 +196,18 @@ def new_member(
     device: torch.device,
     tag: Any = None,
     stop_rules: Sequence[StopRule] = (),
+    objective: str | None = None,
 ) -> Member:
     """A member at step 0, from its seed (its data, init, probe batch and data order); with
     `stop_rules`, stopped (pruned) at the first evaluation after which it can no longer meet
-    them (workers/stopping.py)."""
+    them (workers/stopping.py); with `objective` (a summary metric with an intermediate
+    value), each report carries that summary had the trial stopped there."""
+    if objective is not None:
+        from workers.metric_names import SUMMARY_BY_NAME
+
+        entry = SUMMARY_BY_NAME.get(objective)
+        if entry is None or not entry.intermediate:
+            raise ValueError(f"{objective!r} has no intermediate value to report")
     task = build_task(config.task, config.seed)
     model = build_model(config, task).to(device)
     probe_x, _ = task.train_batch(
@@ -207,6 +226,7 @@ def new_member(
         probe_targets=None if targets is None else targets.to(device),
         tag=tag,
         stopper=Stopper(list(stop_rules)) if stop_rules else None,
+        objective=objective,
     )
 
 
@@ -430,13 +450,13 @@ class Engine:
         )
         points.insert(1, MetricPoint("lr", mem.config.optim.lr * mem.lr_factor()))
         mem.hist.init_points = points
-        stop = mem.reporter.report(0, points)
+        stop = mem.reporter.report(0, points, None)  # step 0: nothing trained to judge yet
         if not math.isfinite(points[0].value):
             mem.status, mem.diverged_at = "diverged", 0
         elif mem.checkpoint_path is not None:  # a resume from here must not report it again
             _save_checkpoint(mem)
-        if mem.status == "completed" and stop:
-            mem.status = "pruned"
+        if mem.status == "completed" and stop is not None:
+            mem.status, mem.stop_reason = "pruned", stop
         if mem.status != "completed":
             self._finish(mem)
             return True
@@ -568,13 +588,19 @@ class Engine:
         mem.hist.last_points = points
         mem.hist.record_signals(points)
         mem.n_evals += 1
+        now = self._summary_here(mem) if mem.stopper or mem.objective else None
+        value = None
+        if now is not None and mem.objective is not None:
+            value = intermediate_value(now, mem.objective)
         try:
-            stop = mem.reporter.report(mem.step, points)  # journaled beside the checkpoint
+            stop = mem.reporter.report(mem.step, points, value)  # journaled beside the checkpoint
             if not math.isfinite(val):
                 mem.status, mem.diverged_at = "diverged", mem.step
                 return True
             # judged before the checkpoint, which keeps the stopper's counts of this step
-            reason = self._infeasible(mem) if mem.stopper is not None else None
+            reason = None
+            if mem.stopper is not None and now is not None:
+                reason = mem.stopper.check(mem.step, now)
             if reason is not None:
                 mem.status, mem.stop_reason = "pruned", reason
                 return True
@@ -586,16 +612,15 @@ class Engine:
                 raise
             mem.error = e  # it leaves; the others go on
             return True
-        if stop:
-            mem.status = "pruned"
+        if stop is not None:
+            mem.status, mem.stop_reason = "pruned", stop
             return True
         return False
 
-    def _infeasible(self, mem: Member) -> str | None:
-        """Why the member can no longer meet its study's constraints, judged on the summary
-        it would have if it stopped here; None when it may still."""
-        assert mem.stopper is not None
-        now = summarize(
+    def _summary_here(self, mem: Member) -> TrialSummary:
+        """The summary the member would have if it stopped here: what its stop rules judge
+        and its objective's intermediate value is read from."""
+        return summarize(
             mem.config,
             mem.task,
             mem.hist,
@@ -605,7 +630,6 @@ class Engine:
             0.0,
             self.device,
         )
-        return mem.stopper.check(mem.step, now)
 
     def run(self) -> None:
         """Train until every admitted member has finished."""

@@ -22,7 +22,15 @@ from workers.provenance import code_commit, config_hash
 from workers.regularizers import model_penalty
 from workers.tasks import Task
 
-__all__ = ["History", "init_points", "penalty", "probe_metrics", "summarize", "val_loss"]
+__all__ = [
+    "History",
+    "init_points",
+    "intermediate_value",
+    "penalty",
+    "probe_metrics",
+    "summarize",
+    "val_loss",
+]
 
 
 def penalty(model: GPT, reg: RegularizerConfig) -> Tensor:
@@ -162,7 +170,7 @@ class History:
 
 def _max_of(values: list[float]) -> float | None:
     """The largest value, None when there is none or one is not finite (as the registry's
-    `within: max` reduces an evaluation, service/runner/pruning.py)."""
+    `within: max` reduces an evaluation, workers/metric_names.py)."""
     if not values or not all(math.isfinite(v) for v in values):
         return None
     return max(values)
@@ -278,3 +286,19 @@ def summarize(
             config.trapped_rel_gap,
         )
     return s
+
+
+def intermediate_value(summary: TrialSummary, metric: str) -> float | None:
+    """What Optuna's pruner compares after an evaluation: the summary's `metric` had the
+    trial stopped there (`summary` made by `summarize` at that step), as a float; None when
+    the registry gives the metric no intermediate value, or it is missing or not finite."""
+    from workers.metric_names import SUMMARY_BY_NAME
+
+    entry = SUMMARY_BY_NAME.get(metric)
+    if entry is None or not entry.intermediate:
+        raise ValueError(f"{metric!r} has no intermediate value")
+    value = getattr(summary, metric)
+    if value is None or isinstance(value, bool):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None

@@ -77,7 +77,7 @@ class TrialInbox:
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._batch = Batch()
         self._yielded = 0  # batches the stream has yielded
-        self._stop: set[int] = set()
+        self._stop: dict[int, str] = {}  # trial -> why the runner stopped it
         self._event = asyncio.Event()
         self._closed = False
         self._assigned: dict[str, list[Assignment]] = {}
@@ -101,13 +101,13 @@ class TrialInbox:
         self._batch.starts.append(msg)
         self._event.set()
 
-    async def put(self, msg: Report) -> bool:
-        """Buffer one evaluation (waiting while the buffer is full); answers whether the
-        runner has decided to stop the trial."""
+    async def put(self, msg: Report) -> str | None:
+        """Buffer one evaluation (waiting while the buffer is full); answers why the runner
+        has decided to stop the trial, or None."""
         await self._room()
         self._batch.reports.append(msg)
         self._event.set()
-        return msg.trial in self._stop
+        return self._stop.get(msg.trial)
 
     async def ended(self, msg: End) -> None:
         """A member stopped, was handed back, or failed."""
@@ -121,9 +121,9 @@ class TrialInbox:
 
     # ---- runner -> workers ------------------------------------------------------------------
 
-    async def stop(self, trial: int) -> None:
-        """The runner's answer to the trial's next report: stop (pruned or infeasible)."""
-        self._stop.add(trial)
+    async def stop(self, trial: int, reason: str) -> None:
+        """The runner's answer to the trial's next report: stop (its pruner said so), and why."""
+        self._stop.setdefault(trial, reason)
 
     def _worker_event(self, worker: str) -> asyncio.Event:
         return self._worker_events.setdefault(worker, asyncio.Event())
@@ -219,28 +219,28 @@ class InboxReporter:
         self._inbox, self._trial, self._journal = inbox, trial, journal
         self.execution = execution
         self._pending: list[concurrent.futures.Future[Any]] = []
-        self._stop = False
+        self._stop: str | None = None  # why the runner stopped the trial, once an answer said
         self.sent = 0
 
-    def _send(self, step: int, points: list[Point]) -> None:
+    def _send(self, step: int, points: list[Point], value: float | None) -> None:
         self._answers()
         while len(self._pending) >= IN_FLIGHT:  # backpressure: the inbox is full
             concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
             self._answers()
-        ref = self._inbox.put.remote(Report(self._trial, self.execution, step, points))
+        ref = self._inbox.put.remote(Report(self._trial, self.execution, step, points, value))
         self._pending.append(ref.future())  # a callback, not a blocking ray.get
         self.sent += 1
 
-    def _answers(self) -> bool:
-        """Read the answers that have arrived (never waits); True once any said stop."""
+    def _answers(self) -> str | None:
+        """Read the answers that have arrived (never waits); the reason once any said stop."""
         still: list[concurrent.futures.Future[Any]] = []
         for fut in self._pending:
             if not fut.done():
                 still.append(fut)
             elif fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]  # the inbox is gone: fail loudly
-            elif fut.result():
-                self._stop = True
+            elif fut.result() is not None and self._stop is None:
+                self._stop = str(fut.result())
         self._pending = still
         return self._stop
 
@@ -252,22 +252,23 @@ class InboxReporter:
         with self._journal.open() as f:
             for line in f:
                 try:
-                    step, points = json.loads(line)
-                except ValueError:  # a line torn by a crash mid-write
+                    step, points, *rest = json.loads(line)  # rest: [value]
+                except (ValueError, TypeError):  # a line torn by a crash mid-write
                     continue
-                self._send(int(step), [tuple(p) for p in points])
+                value = rest[0] if rest else None
+                self._send(int(step), [tuple(p) for p in points], value)
                 n += 1
         return n
 
-    def report(self, step: int, metrics: list[MetricPoint]) -> bool:
+    def report(self, step: int, metrics: list[MetricPoint], value: float | None) -> str | None:
         points: list[Point] = [(p.name, p.layer, p.head, p.value) for p in metrics]
         if self._journal is not None:
             self._journal.parent.mkdir(parents=True, exist_ok=True)
             with self._journal.open("a") as f:
-                f.write(json.dumps([step, points]) + "\n")
+                f.write(json.dumps([step, points, value]) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        self._send(step, points)
+        self._send(step, points, value)
         return self._answers()
 
     def flush(self, timeout_s: float = ACK_TIMEOUT_S) -> None:

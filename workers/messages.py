@@ -3,7 +3,8 @@
 A worker sends, through the runner's `TrialInbox` (workers/inbox.py):
 
 - `Started`: a member began an execution on this worker (where, when, which execution);
-- `Report`: one evaluation of a member (its metric points at a step);
+- `Report`: one evaluation of a member (its metric points at a step, and the value of the
+  study's pruned objective had the trial stopped there, computed by the worker);
 - a member's end, one of `Stopped` (completed, pruned or diverged, with its summary),
   `HandedBack` (untrained here: no slot fitted it, or the device ran out of memory) or
   `Failed` (this member cannot be trained, with the reason);
@@ -43,11 +44,14 @@ Point = tuple[str, int | None, int | None, float]
 @dataclass(frozen=True, slots=True)
 class Assignment:
     """A trial the runner gives a worker: its number, its full config (JSON) and the rules
-    that stop it once it can no longer meet the study's constraints."""
+    that stop it once it can no longer meet the study's constraints; `objective`: the
+    summary metric whose intermediate value each report carries (the study's pruned
+    objective; None without a pruner)."""
 
     trial: int
     config: dict[str, Any]
     stop_rules: tuple[StopRule, ...] = ()
+    objective: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +65,15 @@ class Started:
 
 @dataclass(frozen=True, slots=True)
 class Report:
+    """One evaluation. `value`: the trial's summary of the assignment's `objective` had it
+    stopped after this evaluation (None without an objective, at step 0, or not finite):
+    what the runner hands Optuna's pruner, as computed by the worker that trained it."""
+
     trial: int
     execution: str
     step: int
     points: list[Point]
+    value: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

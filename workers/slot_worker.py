@@ -177,7 +177,9 @@ class SlotWorker:
         self.reporters[item.trial] = reporter
         self.all_reporters.append(reporter)
         self.admitted += 1
-        member = new_member(config, reporter, self.device, item.trial, item.stop_rules)
+        member = new_member(
+            config, reporter, self.device, item.trial, item.stop_rules, item.objective
+        )
         if self.admitted == 1:
             self._fit_slots(member)
         self.engine.admit(member)

@@ -72,18 +72,20 @@ def run_trial(
     *,
     progress: Callable[[int], None] | None = None,
     stop_rules: Sequence[StopRule] = (),
+    objective: str | None = None,
 ) -> TrialSummary:
     """Train, probe every `eval_every` steps, report, checkpoint; return the summary.
 
     With `config.eval_at_init`, the untrained model is evaluated and reported first, as
     step 0 (no train loss or gradient norm exists yet); never again after a resume. A trial
     whose checkpoint directory records that it stopped returns that summary untrained. With
-    `stop_rules`, it stops (pruned) once it can no longer meet them (workers/stopping.py).
+    `stop_rules`, it stops (pruned) once it can no longer meet them (workers/stopping.py);
+    with `objective`, each report carries that summary's intermediate value.
     """
     device = resolve_device(config)
     ctx = autocast_for(config, device)
     engine = Engine(PlainRunner(ctx), device, ctx, progress=progress)
-    member = new_member(config, reporter, device, stop_rules=stop_rules)
+    member = new_member(config, reporter, device, stop_rules=stop_rules, objective=objective)
     engine.admit(member)
     engine.run()
     assert member.summary is not None

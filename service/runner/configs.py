@@ -22,7 +22,7 @@ from workers.fusion_plan import FusionError, auto_fuse, check_fusable, fusion_ke
 from workers.metric_names import SUMMARY_BY_NAME
 from workers.stopping import StopRule, can_recover
 
-__all__ = ["slot_key", "stop_rules", "suggest", "trial_config"]
+__all__ = ["pruned_objective", "slot_key", "stop_rules", "suggest", "trial_config"]
 
 
 def suggest(spec: StudySpec, trial: optuna.Trial) -> dict[str, Any]:
@@ -108,3 +108,9 @@ def stop_rules(spec: StudySpec, steps: int | None = None) -> tuple[StopRule, ...
         patience = spec.pruner.infeasible_patience if can_recover(c.metric, c.op) else 1
         rules.append(StopRule(c.metric, c.op, float(bound), patience))
     return tuple(rules)
+
+
+def pruned_objective(spec: StudySpec) -> str | None:
+    """The summary whose intermediate value a worker reports at each evaluation, for
+    Optuna's pruner: the study's objective, or None without a pruner (nothing to compare)."""
+    return None if spec.pruner.kind == "none" else spec.objectives[0].metric

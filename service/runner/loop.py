@@ -252,7 +252,6 @@ class StudyRunner:
                 self.spec,
                 end.summary,
                 lambda: self.store.trials.best_final_val_loss(self.study_id),
-                rec.prune_reason,
                 rec.config.steps if rec.config is not None else None,
             )
             row = result_row(judged, end, time.monotonic() - rec.launched)

@@ -105,9 +105,9 @@ class RayPool:
 
     # ---- waiting -------------------------------------------------------------------------------
 
-    def stop_trial(self, number: int) -> None:
-        """The trial's next report is answered 'stop' (pruned, or infeasible)."""
-        self.inbox.stop.remote(number)
+    def stop_trial(self, number: int, reason: str) -> None:
+        """The trial's next report is answered 'stop', with why (its pruner said so)."""
+        self.inbox.stop.remote(number, reason)
 
     def wait(self, timeout_s: float) -> tuple[Batch, list[Ended]]:
         """Wait until workers said something or a worker's task ended (or `timeout_s`);

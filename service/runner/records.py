@@ -11,9 +11,9 @@
   report of that execution is stored.
 - DONE: outcome recorded and told to Optuna; the record is gone from the scheduler.
 
-Everything else a record carries (reports received, the last step, the intermediate-value
-trackers) is bookkeeping that the reports and results code read and update; none of it
-moves the status.
+Everything else a record carries (reports received, the steps told to Optuna) is
+bookkeeping that the reports and results code read and update; none of it moves the
+status.
 """
 
 from __future__ import annotations
@@ -21,16 +21,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 
 from workers.config import TrialConfig
 from workers.messages import Stopped
 from workers.stopping import StopRule
-
-if TYPE_CHECKING:
-    from service.runner.pruning import IntermediateTracker
 
 __all__ = ["Status", "TrialRecord"]
 
@@ -64,8 +61,7 @@ class TrialRecord:
     finishing_since: float = 0.0
     received: dict[str, int] = field(default_factory=dict)  # reports stored per execution
     reported: set[int] = field(default_factory=set)  # steps told to Optuna
-    trackers: dict[str, IntermediateTracker] = field(default_factory=dict)
-    prune_reason: str | None = None  # why the runner's pruner asked it to stop
+    stopping: bool = False  # the pruner said stop; its worker hears it at its next report
 
     @property
     def number(self) -> int:

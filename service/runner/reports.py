@@ -3,8 +3,9 @@
 Starts say where and when an execution began (QUEUED -> RUNNING, `started_at`, a second
 execution of one trial counted in `attempts`). Reports are stored in one transaction per
 batch (a crash leaves whole batches or nothing; replays from a trial's journal are no-ops
-thanks to the metric primary key), and each evaluation of the pruned metric goes to
-Optuna, whose answer travels back to the trial through the inbox. A report whose trial has
+thanks to the metric primary key), and the intermediate value each report carries (its
+worker computed it) goes to Optuna's pruner, whose "stop", with its reason, travels back
+to the trial through the inbox. A report whose trial has
 no record any more (its outcome is recorded; a stream is not ordered with an end) is
 dropped, and Optuna, which has the outcome already, is never asked about it.
 """
@@ -15,7 +16,6 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 
-from service.runner.pruning import load_tracker
 from service.runner.records import TrialRecord
 from service.runner.search import Search
 from service.spec import StudySpec
@@ -35,7 +35,7 @@ class Reports:
         spec: StudySpec,
         trials: TrialRows,
         search: Search,
-        stop_trial: Callable[[int], None],
+        stop_trial: Callable[[int, str], None],
     ) -> None:
         self.spec, self.trials, self.search = spec, trials, search
         self.stop_trial = stop_trial
@@ -72,27 +72,14 @@ class Reports:
             return
         metric = self.spec.objectives[0].metric
         for msg, rec in reports:
-            # step 0 is the untrained model (eval_at_init): nothing to judge a run by yet
-            if msg.step == 0 or msg.step in rec.reported:
-                continue
-            tracker = rec.trackers.get(metric)
-            if tracker is None:  # rebuilt from stored rows: a resumed trial too
-                params, rows = self.trials.metric_points(rec.row_id, _source(metric))
-                tracker = rec.trackers[metric] = load_tracker(metric, self.spec.base, params, rows)
-            tracker.add(msg.step, msg.points)
-            value = tracker.value(msg.step)
-            if value is None or not math.isfinite(value):
+            # step 0 (the untrained model) has no value; a replayed step was told already
+            value = msg.value
+            if value is None or not math.isfinite(value) or msg.step in rec.reported:
                 continue
             rec.reported.add(msg.step)
-            if self.search.report(rec.trial, msg.step, value) and rec.prune_reason is None:
+            if self.search.report(rec.trial, msg.step, value) and not rec.stopping:
+                rec.stopping = True
                 kind = self.spec.pruner.kind
-                rec.prune_reason = f"{kind} pruner: {metric} {value:.4g} at step {msg.step}"
-                self.stop_trial(rec.number)
-
-
-def _source(metric: str) -> str:
-    from workers.metric_names import SUMMARY_BY_NAME
-
-    source = SUMMARY_BY_NAME[metric].source
-    assert source is not None
-    return source
+                self.stop_trial(
+                    rec.number, f"{kind} pruner: {metric} {value:.4g} at step {msg.step}"
+                )

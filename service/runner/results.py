@@ -56,16 +56,16 @@ def judge(
     spec: StudySpec,
     summary: TrialSummary,
     best_loss: Callable[[], float | None],
-    prune_reason: str | None = None,
     steps: int | None = None,
 ) -> Judged:
     """A returned trial's outcome; `best_loss` reads the study's best final validation loss
-    (only when `trapped` needs it); `prune_reason`: why the pruner stopped it, for a pruned
-    trial whose worker gave no reason of its own; `steps`: the trial's own (a searched
-    `steps`), what a constraint's `fraction_of_steps` is a fraction of."""
+    (only when `trapped` needs it); `steps`: the trial's own (a searched `steps`), what a
+    constraint's `fraction_of_steps` is a fraction of. A pruned trial's stop reason is its
+    worker's (the pruner's, which travelled with the stop, or an unmeetable constraint's);
+    one stopped by a version that sent no reason is said to be the pruner's."""
     stored = summary.model_dump(mode="json")
     if summary.status == "pruned" and not summary.stop_reason:
-        stored["stop_reason"] = prune_reason or f"{spec.pruner.kind} pruner"
+        stored["stop_reason"] = f"{spec.pruner.kind} pruner"
     if summary.eval_steps and not summary.trapped:
         final = summary.final_val_loss
         stored["trapped"] = bool(

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from service.runner.configs import pruned_objective
 from service.runner.records import Status, TrialRecord
 from service.spec import HISTORY_FREE_SAMPLERS, StudySpec
 from workers.messages import Assignment, End, Failed, HandedBack, Started, Stopped
@@ -121,7 +122,7 @@ class Scheduler:
             assert rec.config is not None
             key, slots = rec.key, rec.slots
             config = rec.config.model_dump(mode="json", by_alias=True)
-            item = Assignment(rec.number, config, rec.stop_rules)
+            item = Assignment(rec.number, config, rec.stop_rules, pruned_objective(self.spec))
             worker = next(
                 (
                     w

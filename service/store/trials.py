@@ -27,7 +27,6 @@ from service.store.models import (
     NO_INDEX,
     OPEN_TRIAL_STATES,
     SUMMARY_COLUMNS,
-    Metric,
     Study,
     Trial,
     TrialState,
@@ -207,23 +206,6 @@ class TrialRows:
                 )
 
         with_retry(write, "persist reports")
-
-    def metric_points(
-        self, row_id: int, name: str
-    ) -> tuple[dict[str, Any], list[tuple[int, int, int, float | None]]]:
-        """A trial's params and its stored (step, layer, head, value) rows of one series."""
-
-        def read() -> tuple[dict[str, Any], list[tuple[int, int, int, float | None]]]:
-            with session_scope(self.sessions) as s:
-                params = s.scalar(select(Trial.params).where(Trial.id == row_id)) or {}
-                rows = s.execute(
-                    select(Metric.step, Metric.layer, Metric.head, Metric.value)
-                    .where(Metric.trial_id == row_id, Metric.name == name)
-                    .order_by(Metric.step)
-                ).all()
-                return dict(params), [tuple(r) for r in rows]  # type: ignore[misc]
-
-        return with_retry(read, "load metric rows")
 
     # ---- endings -----------------------------------------------------------------------------
 

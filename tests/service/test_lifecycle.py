@@ -34,7 +34,7 @@ class NoRay:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, list[int]]] = []
-        self.stopped: list[int] = []
+        self.stopped: list[tuple[int, str]] = []  # (trial, reason) the pruner stopped
 
     def start(self, name: str, capacity: int, first: list[Assignment]) -> None:
         self.calls.append(("start", name, [a.trial for a in first]))
@@ -44,6 +44,9 @@ class NoRay:
 
     def close(self, name: str) -> None:
         self.calls.append(("close", name, []))
+
+    def stop_trial(self, number: int, reason: str) -> None:
+        self.stopped.append((number, reason))
 
 
 def _runner(url: str, tmp_path: Path, **over: Any) -> StudyRunner:
@@ -55,7 +58,7 @@ def _runner(url: str, tmp_path: Path, **over: Any) -> StudyRunner:
     runner = StudyRunner(row.id, Settings(database_url=url, home=tmp_path), engine)
     pool = NoRay()
     runner.scheduler = Scheduler(runner.spec, runner.study_id, pool)
-    runner.reports = Reports(runner.spec, runner.store.trials, runner.search, pool.stopped.append)
+    runner.reports = Reports(runner.spec, runner.store.trials, runner.search, pool.stop_trial)
     return runner
 
 
@@ -75,7 +78,7 @@ def _row(runner: StudyRunner, rec: TrialRecord) -> Trial:
 
 
 def _report(number: int, step: int, value: float) -> Report:
-    return Report(number, "exec", step, [("val_loss", None, None, value)])
+    return Report(number, "exec", step, [("val_loss", None, None, value)], value)
 
 
 def _stopped(rec: TrialRecord, summary: dict[str, Any]) -> Stopped:
@@ -119,7 +122,7 @@ def test_a_report_after_the_trial_finished_is_dropped_not_a_crash(
     told = _launch(runner)  # finished in Optuna while its report travelled
     runner.search.study.tell(told.trial, state=OptunaState.FAIL)
     runner.reports.store([_report(told.number, 20, 2.0)], runner.scheduler.records)  # no raise
-    assert runner.reports.stop_trial.__self__ == []  # type: ignore[attr-defined]
+    assert runner.reports.stop_trial.__self__.stopped == []  # type: ignore[attr-defined]
     gone = _launch(runner)  # outcome recorded: the runner forgot it
     runner.scheduler.done(gone)
     runner.reports.store([_report(gone.number, 20, 2.0)], runner.scheduler.records)

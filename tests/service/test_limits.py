@@ -229,9 +229,9 @@ def test_the_estimates_match_independent_counts(tmp_path: Path) -> None:
         def __init__(self) -> None:
             self.per_step: dict[int, int] = {}
 
-        def report(self, step: int, metrics: list[Any]) -> bool:
+        def report(self, step: int, metrics: list[Any], value: float | None) -> str | None:
             self.per_step[step] = len(metrics)
-            return False
+            return None
 
     for layers, heads in [(1, 1), (2, 4), (3, 2)]:
         config = TrialConfig.model_validate(

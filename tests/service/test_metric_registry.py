@@ -5,22 +5,21 @@ route's names, export and plot fields, and `metric_rows` of cancelled trials."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from sqlalchemy import Boolean, Engine, Float, Integer, func, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service.api.schemas import TrialOut
 from service.read.export import trial_columns
 from service.read.plots.common import FLAG_FIELDS, KNOWN_METRICS, NUMERIC_FIELDS
 from service.read.queries import SORTABLE
-from service.runner.pruning import IntermediateTracker, Point, load_tracker
 from service.spec import StudySpec
 from service.store.models import SUMMARY_COLUMNS, Metric, Study, Trial
-from service.store.trials import TrialRows
 from tests.service.conftest import create_via_api
 from tests.workers.test_trial import Recorder, tiny
 from workers.metric_names import (
@@ -34,7 +33,7 @@ from workers.metric_names import (
     SUMMARY_BY_NAME,
     SUMMARY_NAMES,
 )
-from workers.trial import MetricPoint, TrialSummary, run_trial
+from workers.trial import TrialSummary, run_trial
 
 # ---- the ORM, the API schema, plots and export --------------------------------------------
 
@@ -106,12 +105,7 @@ def test_spec_schema_lists_the_objective_metrics() -> None:
     assert metric["enum"] == list(OBJECTIVE_SUMMARIES)
 
 
-# ---- intermediate values for pruning -------------------------------------------------------
-
-
-def _points(points: list[MetricPoint]) -> list[Point]:
-    return [(p.name, p.layer, p.head, p.value) for p in points]
-
+# ---- intermediate values for pruning (computed by the worker) ------------------------------
 
 PLATEAU_TRIAL: dict[str, Any] = {
     "optim": {"schedule": "constant"},  # so a shorter run is a prefix of a longer one
@@ -127,91 +121,86 @@ def _summary_value(summary: TrialSummary, name: str) -> float | None:
     return None if v is None else float(v)
 
 
-def test_intermediate_values_from_real_reports_are_the_summary_had_it_stopped_there() -> None:
-    """Every intermediate summary: a value after every evaluation; at step k it equals the
-    summary of the same trial run for k steps only (an independent run and code path)."""
-    long_rec, short_rec = Recorder(), Recorder()
-    long = run_trial(tiny(steps=40, **PLATEAU_TRIAL), long_rec)
-    short = run_trial(tiny(steps=20, **PLATEAU_TRIAL), short_rec)
+@pytest.fixture(scope="module")
+def short_and_long() -> tuple[TrialSummary, TrialSummary]:
+    """The same trial run for 20 and for 40 steps, with no objective (no values reported)."""
+    short = run_trial(tiny(steps=20, **PLATEAU_TRIAL))
+    long = run_trial(tiny(steps=40, **PLATEAU_TRIAL))
     assert long.longest_plateau > 0  # the plateau metrics are exercised, not all zero
-    for metric in INTERMEDIATE_SUMMARIES:
-        tracker = IntermediateTracker(metric, 1, 0.02)
-        for step, points in long_rec.reports:
-            tracker.add(step, _points(points))
-            assert tracker.value(step) is not None, (metric, step)
-        for stop, summary in ((20, short), (40, long)):
-            want = _summary_value(summary, metric)
-            assert want is not None, metric
-            assert tracker.value(stop) == pytest.approx(want, rel=1e-9, abs=1e-12), (metric, stop)
+    return short, long
 
 
-def _val(step: int, v: float) -> list[Point]:
-    return [("val_loss", None, None, v), ("train_loss", None, None, v + 1.0)]
+@pytest.mark.parametrize("metric", INTERMEDIATE_SUMMARIES)
+def test_reported_values_are_the_summary_had_the_trial_stopped_there(
+    metric: str, short_and_long: tuple[TrialSummary, TrialSummary]
+) -> None:
+    """What a worker sends with each evaluation, and the runner hands Optuna's pruner: at
+    step k it equals the summary of the same trial run for k steps only (an independent run
+    that reported nothing)."""
+    rec = Recorder()
+    run_trial(tiny(steps=40, **PLATEAU_TRIAL), rec, objective=metric)
+    assert rec.steps == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert all(rec.values[step] is not None for step in rec.steps), rec.values
+    for stop, summary in zip((20, 40), short_and_long, strict=True):
+        want = _summary_value(summary, metric)
+        assert want is not None, metric
+        assert rec.values[stop] == pytest.approx(want, rel=1e-9, abs=1e-12), (metric, stop)
 
 
-# Validation losses with a plateau the run escapes (steps 20..40) and one it is on at 80.
-CURVE = [(10, 5.0), (20, 4.0), (30, 3.99), (40, 3.98), (50, 3.0), (60, 2.0), (70, 1.99), (80, 1.98)]
-# Hand-computed (window 1, rel_tol 0.05): (plateau_count, plateau_steps, longest_plateau).
-PLATEAUS_AT = {30: (0, 0, 10), 40: (0, 0, 20), 50: (1, 20, 20), 80: (1, 20, 20)}
+def test_without_an_objective_reports_carry_no_value() -> None:
+    rec = Recorder()
+    run_trial(tiny(steps=10, eval_at_init=True, **PLATEAU_TRIAL), rec)
+    assert rec.steps == [0, 5, 10] and set(rec.values.values()) == {None}
 
 
-@pytest.mark.parametrize("metric", ["plateau_count", "plateau_steps", "longest_plateau"])
-def test_plateau_intermediate_values_by_hand(metric: str) -> None:
-    tracker = IntermediateTracker(metric, 1, 0.05)
-    for step, v in CURVE:
-        tracker.add(step, _val(step, v))
-    i = ("plateau_count", "plateau_steps", "longest_plateau").index(metric)
-    for step, want in PLATEAUS_AT.items():
-        assert tracker.value(step) == want[i], step
+def test_step_zero_carries_no_value() -> None:
+    """The untrained model: nothing trained to judge, so nothing for the pruner."""
+    rec = Recorder()
+    run_trial(tiny(steps=10, eval_at_init=True, **PLATEAU_TRIAL), rec, objective="best_val_loss")
+    assert rec.values[0] is None and rec.values[5] is not None and rec.values[10] is not None
 
 
-def test_best_and_ever_are_running_minima() -> None:
-    best = IntermediateTracker("best_val_loss", 1, 0.05)
-    ever = IntermediateTracker("min_norm_entropy_ever", 1, 0.05)
-    ents = {10: [0.5, 0.4], 20: [0.3, 0.6], 30: [0.7, 0.8]}
-    for (step, v), up in zip(CURVE[:3], (5.0, 6.0, 7.0), strict=True):
-        best.add(step, _val(step, v + up))  # rising losses: the best stays the first
-        ever.add(step, [("attn_entropy_norm", 1, h, e) for h, e in enumerate(ents[step])])
-    assert [best.value(s) for s in (10, 20, 30)] == [10.0, 10.0, 10.0]
-    assert [ever.value(s) for s in (10, 20, 30)] == [0.4, 0.3, 0.3]
+def test_best_value_is_a_running_minimum() -> None:
+    """best_val_loss reported at each step is the minimum of the val_loss reported so far
+    (read from the same reports: an independent reduction)."""
+    rec = Recorder()
+    run_trial(
+        tiny(steps=40, **{**PLATEAU_TRIAL, "optim": {"lr": 0.05}}), rec, objective="best_val_loss"
+    )
+    seen: list[float] = []
+    for step, points in rec.reports:
+        seen.append(next(p.value for p in points if p.name == "val_loss"))
+        assert rec.values[step] == pytest.approx(min(seen)), step
 
 
 def test_non_intermediate_metrics_are_refused() -> None:
     for name in set(SUMMARY_NAMES) - set(INTERMEDIATE_SUMMARIES):
         with pytest.raises(ValueError, match="no intermediate value"):
-            IntermediateTracker(name, 1, 0.05)
+            run_trial(tiny(steps=5), Recorder(), objective=name)
 
 
-def test_tracker_rebuilt_from_stored_rows_uses_the_trials_own_plateau_settings(
-    client: TestClient, engine: Engine
-) -> None:
-    """What a resumed runner does: the curve so far from the database, and the trial's
-    own `plateau_rel_tol` (searched here) rather than the base config's."""
-    sid = create_via_api(
-        client,
-        _spec(
-            base={"plateau_window": 1, "plateau_rel_tol": 0.5},
-            search_space={"plateau_rel_tol": {"type": "float", "low": 0.01, "high": 0.9}},
-        ),
+def test_a_resumed_trial_reports_the_values_of_an_uninterrupted_one(tmp_path: Path) -> None:
+    """What a runner that meets a trial already under way relies on: the worker resumes the
+    trial's history from its checkpoint, so the values after the resume are those of a run
+    never interrupted, the plateau counts (which need the whole curve) included; the trial's
+    own `plateau_rel_tol` is used (0.05 here, not the default)."""
+    over = {**PLATEAU_TRIAL, "plateau_rel_tol": 0.05}
+    straight = Recorder()
+    run_trial(
+        tiny(steps=40, **over, checkpoint={"dir": str(tmp_path / "a")}),
+        straight,
+        objective="longest_plateau",
     )
-    with Session(engine) as s:
-        trial = Trial(study_id=sid, number=0, params={"plateau_rel_tol": 0.05})
-        s.add(trial)
-        s.flush()
-        s.add_all(
-            Metric(trial_id=trial.id, name=n, layer=-1, head=-1, step=step, value=v)
-            for step, value in CURVE[:5]
-            for n, _l, _h, v in _val(step, value)
-        )
-        s.commit()
-        row_id = trial.id
-    spec = StudySpec.model_validate(_spec(base={"plateau_window": 1, "plateau_rel_tol": 0.5}))
-    params, rows = TrialRows(sessionmaker(engine)).metric_points(row_id, "val_loss")
-    tracker = load_tracker("plateau_count", spec.base, params, rows)
-    assert tracker.rel_tol == 0.05
-    assert tracker.value(50) == PLATEAUS_AT[50][0] == 1  # with 0.5 every point would be flat
-    tracker.add(60, _val(60, 2.0))
-    assert tracker.value(60) == 1
+    cfg = tiny(steps=40, **over, checkpoint={"dir": str(tmp_path / "b")})
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_trial(cfg, Recorder(crash_at_step=25), objective="longest_plateau")
+    resumed = Recorder()
+    run_trial(cfg, resumed, objective="longest_plateau")
+    assert resumed.steps == [25, 30, 35, 40]  # from the checkpoint after step 20
+    assert {s: resumed.values[s] for s in resumed.steps} == {
+        s: straight.values[s] for s in resumed.steps
+    }
+    assert any(straight.values[s] for s in resumed.steps)  # a plateau, not all zero
 
 
 # ---- where= and sort= on every summary field ----------------------------------------------

@@ -53,9 +53,9 @@ tmp = os.path.join(config.checkpoint.dir, "checkpoint.tmp")
 seen = []
 
 class Watch:
-    def report(self, step, metrics):
+    def report(self, step, metrics, value):
         seen.append(os.path.exists(tmp))
-        return False
+        return None
 
 if mode == "fsize":  # writes past 1 MiB fail with EFBIG, as on a full disk
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -248,8 +248,8 @@ class _BreakStorageAt(Recorder):
         super().__init__()
         self.directory, self.break_at = directory, step
 
-    def report(self, step: int, metrics: list[Any]) -> bool:
-        stop = super().report(step, metrics)
+    def report(self, step: int, metrics: list[Any], value: float | None) -> str | None:
+        stop = super().report(step, metrics, value)
         if step == self.break_at:
             (self.directory / "checkpoint.tmp").mkdir(parents=True)
         return stop

@@ -40,7 +40,7 @@ def _producer() -> Any:
         reporter = InboxReporter(inbox, trial)
         t0 = time.monotonic()
         for step in range(n):
-            reporter.report(step, [MetricPoint("val_loss", float(step))])
+            reporter.report(step, [MetricPoint("val_loss", float(step))], None)
         reporter.flush()
         return time.monotonic() - t0
 

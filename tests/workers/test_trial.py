@@ -75,14 +75,18 @@ class Recorder:
 
     def __init__(self, stop_at_report: int | None = None, crash_at_step: int | None = None) -> None:
         self.reports: list[tuple[int, list[MetricPoint]]] = []
+        self.values: dict[int, float | None] = {}  # the intermediate value of each report
         self.stop_at_report = stop_at_report
         self.crash_at_step = crash_at_step
 
-    def report(self, step: int, metrics: list[MetricPoint]) -> bool:
+    def report(self, step: int, metrics: list[MetricPoint], value: float | None) -> str | None:
         if self.crash_at_step is not None and step == self.crash_at_step:
             raise RuntimeError(f"simulated crash at step {step}")
         self.reports.append((step, list(metrics)))
-        return self.stop_at_report is not None and len(self.reports) == self.stop_at_report
+        self.values[step] = value
+        if self.stop_at_report is not None and len(self.reports) == self.stop_at_report:
+            return f"the test stops it at report {len(self.reports)}"
+        return None
 
     @property
     def steps(self) -> list[int]:

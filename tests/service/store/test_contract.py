@@ -205,8 +205,13 @@ def test_replayed_reports_and_inserts_change_nothing(store: Store) -> None:
         rows = s.scalar(select(func.count()).where(Metric.trial_id == row_id))
     assert rows == 3
     assert _trial(store.sessions, row_id).last_step == 40
-    params, points = store.trials.metric_points(row_id, "val_loss")
-    assert points == [(20, -1, -1, 2.5), (40, -1, -1, 2.0)]
+    with session_scope(store.sessions) as s:
+        points = s.execute(
+            select(Metric.step, Metric.layer, Metric.head, Metric.value)
+            .where(Metric.trial_id == row_id, Metric.name == "val_loss")
+            .order_by(Metric.step)
+        ).all()
+    assert [tuple(p) for p in points] == [(20, -1, -1, 2.5), (40, -1, -1, 2.0)]
 
 
 def test_starts_move_queued_to_running_and_count_retries(store: Store) -> None:
