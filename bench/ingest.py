@@ -132,7 +132,7 @@ class Harness:
         self.study_id = row.id
         self.records: dict[int, Any] = {}
         r = self.runner
-        self.reports = Reports(r.spec, r.store.trials, r.search, lambda number: None)
+        self.reports = Reports(r.spec, r.store.trials, r.search, lambda number, reason: None)
 
     def new_trial(self) -> tuple[int, int]:
         """Ask Optuna, insert the qk_trial row, hold its record as the runner's scheduler does."""
@@ -169,9 +169,9 @@ class Harness:
             reports = ray.get(inbox.drain.remote()).reports
             if reports:
                 tw = time.perf_counter()
-                self.reports.store(reports, self.records)
+                self.reports.store([(m, self.records[m.trial]) for m in reports])
                 write_s += time.perf_counter() - tw
-                batches.append(sum(len(p) for _, _, p, _ in reports))
+                batches.append(sum(len(m.points) for m in reports))
             elif not pending:
                 break
         e2e = time.perf_counter() - t0

@@ -3,9 +3,10 @@
 - schedule: ask Optuna for a trial whenever a slot waits for one, and place waiting trials
   in slot workers (service/runner/scheduler.py);
 - run: wait until workers say something or a worker's task ends (service/runner/pool.py);
-- post-process: store starts and reports and answer pruning (service/runner/reports.py);
-  record each trial's outcome once its reports are stored and tell Optuna
-  (service/runner/results.py, service/store/); relaunch what a lost worker held.
+- post-process: the scheduler updates its records from what workers said and returns
+  typed outputs (`Scheduler.postprocess`); the loop only hands them on: starts and reports
+  to the store and the reports' values to the pruner (service/runner/reports.py), each
+  finished trial's outcome to the store and to Optuna (service/runner/results.py).
 
 Every row goes through the store (service/store/), every Optuna call through `Search`, every
 Ray call through the pool; the scheduler alone moves a trial's status. Every write is fenced
@@ -33,7 +34,7 @@ from service.runner.pool import Ended, RayPool
 from service.runner.records import TrialRecord
 from service.runner.reports import Reports
 from service.runner.results import judge, judge_stored, result_row
-from service.runner.scheduler import Scheduler
+from service.runner.scheduler import FLUSH_TIMEOUT_S, Scheduler
 from service.runner.search import Search
 from service.runner.waiting import WaitingReason
 from service.spec import SpecError, StudySpec
@@ -43,8 +44,7 @@ from service.store.optuna import optuna_storage
 from service.store.session import make_sessionmaker, with_retry
 from service.store.studies import TERMINAL
 from workers.config import TrialConfig
-from workers.messages import Batch, Failed
-from workers.stopping import StopRule
+from workers.messages import Batch
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -53,7 +53,6 @@ __all__ = ["FLUSH_TIMEOUT_S", "POLL_S", "StudyRunner"]
 
 log = logging.getLogger("qkscope.runner")
 POLL_S = 1.0  # how often the loop looks for a cancel when no worker woke it
-FLUSH_TIMEOUT_S = 60.0  # a finished trial waits at most this long for its last reports
 
 
 class StudyRunner:
@@ -93,9 +92,7 @@ class StudyRunner:
         try:
             resumed = self._resume()
             asked, t0 = self.search.asked(), self._started_at()
-            self.scheduler.known = asked - len(resumed)  # trials that left: the ramp's start
-            for rec in resumed:
-                self.scheduler.add(rec)
+            self.scheduler.resume(resumed, left=asked - len(resumed))
             while True:
                 if self.store.studies.status(self.study_id) == StudyStatus.CANCELLED:
                     self._cancel()
@@ -138,14 +135,8 @@ class StudyRunner:
         self.scheduler.close_idle(asked < self.spec.budget.n_trials and not out_of_time)
         return asked
 
-    def _post_process(self, batch: Batch, ended: list[Ended]) -> None:
-        started = [(m, r) for m in batch.starts if (r := self.scheduler.started(m)) is not None]
-        self.reports.record_starts(started)
-        self.reports.store(batch.reports, self.scheduler.records)
-        for end in batch.ends:
-            rec = self.scheduler.ended(end)
-            if rec is not None and isinstance(end, Failed):
-                self._fail(rec, end.reason)
+    def _post_process(self, batch: Batch, ended: list[Ended], *, force: bool = False) -> None:
+        """Hand what the scheduler made of the workers' messages to the store and the search."""
         for e in ended:
             if e.done is not None:
                 log.info(
@@ -156,9 +147,22 @@ class StudyRunner:
                 )
             else:
                 log.warning("%s ended: %s", e.name, e.error)
-            for rec, reason in self.scheduler.worker_ended(e.name, e.error):
-                self._fail(rec, reason)
-        self._record_finished()
+        out = self.scheduler.postprocess(batch, ended, force=force)
+        self.reports.record_starts(out.starts)
+        self.reports.store(out.reports)
+        self.reports.prune(out.values)
+        for rec, reason in out.failed:
+            self._fail(rec, reason)
+        for rec in out.finished:
+            if rec in out.late:
+                assert rec.result is not None
+                log.warning(
+                    "trial %d: not all %d reports arrived in %.0f s; finishing",
+                    rec.number,
+                    rec.result.reports_sent,
+                    FLUSH_TIMEOUT_S,
+                )
+            self._record_result(rec)
         self.waiting.check(self.scheduler.queued_rows())
 
     # ---- trials in and out ---------------------------------------------------------------
@@ -173,38 +177,49 @@ class StudyRunner:
             self.scheduler.add(rec)
 
     def _new_record(self, trial: optuna.Trial) -> TrialRecord | None:
-        """Record an asked trial QUEUED; one whose parameters make no valid config (or that
-        Optuna cannot suggest) fails alone, with the reason, and gives None: a point of the
-        search space never fails the whole study."""
+        """Record an asked trial QUEUED (its parameters suggested now), then admit it."""
         params: dict[str, Any] = {}
         problem = None
         try:
             params = self.search.suggest(trial)
-            config = configs.trial_config(
-                self.spec, self.settings, self.study_id, params, trial.number, owner=self.owner
-            )
         except (SpecError, ValueError) as e:
-            config, problem = None, f"invalid parameters {params}: {e}"
+            problem = f"invalid parameters {params}: {e}"
         seed = params.get("seed", self.spec.base.seed)
         row_id = self.store.trials.insert_queued(
             self.study_id, trial.number, params, int(seed) if isinstance(seed, int) else 0
         )
-        rec = self._record(trial, row_id, params, config)
-        if problem is not None:
-            self._fail(rec, problem)
-            return None
-        return rec
+        return self._admit(trial, row_id, params, problem=problem)
 
-    def _record(
-        self, trial: optuna.Trial, row_id: int, params: dict[str, Any], config: TrialConfig | None
-    ) -> TrialRecord:
-        rules: tuple[StopRule, ...] = ()
+    def _admit(
+        self,
+        trial: optuna.Trial,
+        row_id: int,
+        params: dict[str, Any],
+        attempts_before: int = 0,
+        problem: str | None = None,
+    ) -> TrialRecord | None:
+        """The one admission path, for a new trial and a relaunched one: its config, slot
+        key and stop rules; a trial whose parameters make no valid config (or that Optuna
+        could not suggest: `problem`) fails alone, with the reason, and gives None: a point
+        of the search space never fails the whole study."""
+        config: TrialConfig | None = None
+        if problem is None:
+            try:
+                config = configs.trial_config(
+                    self.spec, self.settings, self.study_id, params, trial.number, owner=self.owner
+                )
+            except (SpecError, ValueError) as e:
+                problem = f"invalid parameters {params}: {e}"
         if config is None:
-            key, slots = "", 1
-        else:
-            key, slots = configs.slot_key(self.spec, config, trial.number)
-            rules = configs.stop_rules(self.spec, config.steps)  # its own steps
-        return TrialRecord(trial, row_id, params, config, key=key, slots=slots, stop_rules=rules)
+            rec = TrialRecord(trial, row_id, params, None)
+            self._fail(rec, problem or "no config")
+            return None
+        key, slots = configs.slot_key(self.spec, config, trial.number)
+        rules = configs.stop_rules(self.spec, config.steps)  # its own steps
+        return TrialRecord(
+            trial, row_id, params, config, key=key, slots=slots, stop_rules=rules,
+            attempts_before=attempts_before,
+        )  # fmt: skip
 
     def _resume(self) -> list[TrialRecord]:
         """Trials Optuna still has RUNNING after a dead runner: relaunched, told as our
@@ -226,38 +241,28 @@ class StudyRunner:
                 self.search.tell(trial, j.outcome)
                 log.info("trial %d was recorded %s before the runner died", row.number, state)
             else:
-                config = configs.trial_config(
-                    self.spec, self.settings, self.study_id, dict(row.params), row.number,
-                    owner=self.owner,
-                )  # fmt: skip
-                rec = self._record(trial, row.id, dict(row.params), config)
-                rec.attempts_before = row.attempts - 1  # the claim counted this relaunch
-                out.append(rec)
-                log.info("relaunching trial %d (attempt %d)", row.number, row.attempts)
+                # the claim counted this relaunch: attempts before it are one fewer
+                rec = self._admit(trial, row.id, dict(row.params), row.attempts - 1)
+                if rec is not None:
+                    out.append(rec)
+                    log.info("relaunching trial %d (attempt %d)", row.number, row.attempts)
         return out
 
-    def _record_finished(self, force: bool = False) -> None:
-        """Record the finished trials whose reports are all stored (or waited long enough)."""
-        for rec in self.scheduler.finishing():
-            late = time.monotonic() - rec.finishing_since >= FLUSH_TIMEOUT_S
-            if not (rec.reports_in() or late or force):
-                continue
-            end = rec.result
-            assert end is not None
-            if not rec.reports_in():
-                log.warning(
-                    "trial %d: not all %d reports arrived; finishing", rec.number, end.reports_sent
-                )
-            judged = judge(
-                self.spec,
-                end.summary,
-                lambda: self.store.trials.best_final_val_loss(self.study_id),
-                rec.config.steps if rec.config is not None else None,
-            )
-            row = result_row(judged, end, time.monotonic() - rec.launched)
-            if self.store.trials.record_result(rec.row_id, row):
-                self.search.tell(rec.trial, judged.outcome)
-            self.scheduler.done(rec)
+    def _record_result(self, rec: TrialRecord) -> None:
+        """A finished trial's outcome: judged, written (unless its row ended first: a
+        cancel), told to Optuna, and the record done."""
+        end = rec.result
+        assert end is not None
+        judged = judge(
+            self.spec,
+            end.summary,
+            lambda: self.store.trials.best_final_val_loss(self.study_id),
+            rec.config.steps if rec.config is not None else None,
+        )
+        row = result_row(judged, end, time.monotonic() - rec.launched)
+        if self.store.trials.record_result(rec.row_id, row):
+            self.search.tell(rec.trial, judged.outcome)
+        self.scheduler.done(rec)
 
     def _fail(self, rec: TrialRecord, reason: str) -> None:
         """Record a failure at once (unless the row ended first) and tell Optuna FAIL."""
@@ -270,7 +275,7 @@ class StudyRunner:
         """The study was cancelled: stop the workers, keep what arrived before, close the
         rest (ours and Optuna's)."""
         self.pool.cancel_all()
-        self._record_finished(force=True)
+        self._post_process(Batch(), [], force=True)  # what finished before: recorded
         rows = self.scheduler.clear()
         self.close_open(TrialState.CANCELLED, "study cancelled")
         self.store.trials.recount(rows)

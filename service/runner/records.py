@@ -60,8 +60,7 @@ class TrialRecord:
     result: Stopped | None = None  # FINISHING: the end its worker sent
     finishing_since: float = 0.0
     received: dict[str, int] = field(default_factory=dict)  # reports stored per execution
-    reported: set[int] = field(default_factory=set)  # steps told to Optuna
-    stopping: bool = False  # the pruner said stop; its worker hears it at its next report
+    reported: set[int] = field(default_factory=set)  # steps whose value went to the pruner
 
     @property
     def number(self) -> int:

@@ -1,20 +1,19 @@
-"""What the runner does with the starts and evaluations its workers send.
+"""What the runner writes and asks for what its workers said (the scheduler has already
+updated the records: service/runner/scheduler.py, `Scheduler.postprocess`).
 
 Starts say where and when an execution began (QUEUED -> RUNNING, `started_at`, a second
 execution of one trial counted in `attempts`). Reports are stored in one transaction per
 batch (a crash leaves whole batches or nothing; replays from a trial's journal are no-ops
-thanks to the metric primary key), and the intermediate value each report carries (its
-worker computed it) goes to Optuna's pruner, whose "stop", with its reason, travels back
-to the trial through the inbox. A report whose trial has
-no record any more (its outcome is recorded; a stream is not ordered with an end) is
-dropped, and Optuna, which has the outcome already, is never asked about it.
+thanks to the metric primary key). The intermediate value a report carries (its worker
+computed it: the trial's summary of the pruned objective had it stopped there) goes to
+Optuna's pruner, whose "stop", with its reason, travels back to the trial through the inbox
+and ends it PRUNED with that reason.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from service.runner.records import TrialRecord
 from service.runner.search import Search
@@ -28,7 +27,7 @@ log = logging.getLogger("qkscope.runner")
 
 
 class Reports:
-    """Stores starts and reports and answers whether a trial should stop."""
+    """Stores starts and reports; asks the pruner and stops the trials it prunes."""
 
     def __init__(
         self,
@@ -53,33 +52,19 @@ class Reports:
                 )
         self.trials.record_starts(changes)
 
-    def store(self, reports: list[Report], records: Mapping[int, TrialRecord]) -> None:
-        """Store a batch of evaluations, then decide on stopping the trials that sent them."""
-        rows: list[MetricRow] = []
-        mine: list[tuple[Report, TrialRecord]] = []
-        for msg in reports:
-            rec = records.get(msg.trial)
-            if rec is None:
-                continue
-            rec.received[msg.execution] = rec.received.get(msg.execution, 0) + 1
-            rows += [(rec.row_id, msg.step, *p) for p in msg.points]
-            mine.append((msg, rec))
+    def store(self, reports: list[tuple[Report, TrialRecord]]) -> None:
+        """Store a batch of evaluations of trials the runner still holds."""
+        rows: list[MetricRow] = [
+            (rec.row_id, msg.step, *p) for msg, rec in reports for p in msg.points
+        ]
         self.trials.store_reports(rows)
-        self._decide(mine)
 
-    def _decide(self, reports: list[tuple[Report, TrialRecord]]) -> None:
+    def prune(self, values: list[tuple[TrialRecord, int, float]]) -> None:
+        """Hand each (trial, step, value) to Optuna's pruner; stop those it prunes, with why
+        (a stop sent twice keeps its first reason)."""
         if self.spec.pruner.kind == "none":
             return
-        metric = self.spec.objectives[0].metric
-        for msg, rec in reports:
-            # step 0 (the untrained model) has no value; a replayed step was told already
-            value = msg.value
-            if value is None or not math.isfinite(value) or msg.step in rec.reported:
-                continue
-            rec.reported.add(msg.step)
-            if self.search.report(rec.trial, msg.step, value) and not rec.stopping:
-                rec.stopping = True
-                kind = self.spec.pruner.kind
-                self.stop_trial(
-                    rec.number, f"{kind} pruner: {metric} {value:.4g} at step {msg.step}"
-                )
+        kind, metric = self.spec.pruner.kind, self.spec.objectives[0].metric
+        for rec, step, value in values:
+            if self.search.report(rec.trial, step, value):
+                self.stop_trial(rec.number, f"{kind} pruner: {metric} {value:.4g} at step {step}")

@@ -10,21 +10,53 @@ that is no longer needed is closed. A trial goes only to a worker of its slot ke
 Every end names its sender: an end from a worker that no longer holds the trial (it was
 handed back and placed again, or its worker was given up for dead) changes nothing. The
 runner hands a worker's end here only after every message the worker sent has been read.
+
+`postprocess` is the one entry for what workers said (nano-vllm's `Scheduler.postprocess`
+is the shape): it updates the records and returns typed `Outputs`, which the loop only
+hands to the store and to the search.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.runner.configs import pruned_objective
 from service.runner.records import Status, TrialRecord
 from service.spec import HISTORY_FREE_SAMPLERS, StudySpec
-from workers.messages import Assignment, End, Failed, HandedBack, Started, Stopped
+from workers.messages import Assignment, Batch, End, Failed, HandedBack, Report, Started, Stopped
 
-__all__ = ["Pool", "Scheduler", "SlotWorker"]
+__all__ = ["FLUSH_TIMEOUT_S", "Outputs", "Pool", "Scheduler", "SlotWorker", "WorkerEnd"]
+
+FLUSH_TIMEOUT_S = 60.0  # a finished trial waits at most this long for its last reports
+
+
+class WorkerEnd(Protocol):
+    """A slot worker's task ended (service/runner/pool.py: `Ended`); `error` is None when
+    it ended on its own."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def error(self) -> str | None: ...
+
+
+@dataclass(slots=True)
+class Outputs:
+    """What one `postprocess` leaves for the loop to write and to tell; the records are
+    already updated."""
+
+    starts: list[tuple[Started, TrialRecord]] = field(default_factory=list)  # accepted starts
+    reports: list[tuple[Report, TrialRecord]] = field(default_factory=list)  # of held trials
+    # (record, step, value) for the pruner: each step's first report with a finite value
+    values: list[tuple[TrialRecord, int, float]] = field(default_factory=list)
+    failed: list[tuple[TrialRecord, str]] = field(default_factory=list)  # fail, then `done`
+    finished: list[TrialRecord] = field(default_factory=list)  # record, then `done`
+    late: list[TrialRecord] = field(default_factory=list)  # of `finished`: reports missing
 
 
 class Pool(Protocol):
@@ -60,6 +92,14 @@ class Scheduler:
         self._serial = 0
 
     # ---- admission ---------------------------------------------------------------------------
+
+    def resume(self, records: list[TrialRecord], left: int) -> None:
+        """A runner's start: the trials a dead runner left running wait first; `left`: the
+        study's trials that have left already (results, failures), where the ramp of
+        `depth` starts."""
+        self.known = left
+        for rec in records:
+            self.add(rec)
 
     def add(self, rec: TrialRecord, *, front: bool = False) -> None:
         """A trial to run (asked, or resumed after a dead runner): it waits for a slot."""
@@ -224,6 +264,38 @@ class Scheduler:
             else:
                 self._wait(rec, front=True)
         return give_up
+
+    def postprocess(
+        self, batch: Batch, ended: Sequence[WorkerEnd], *, force: bool = False
+    ) -> Outputs:
+        """Everything workers said since the last call, in order: starts, reports, members'
+        ends, then workers' ends (each after its last message); then the finished trials
+        whose reports are all in (or waited `FLUSH_TIMEOUT_S`, or `force`: a cancel)."""
+        out = Outputs()
+        out.starts = [(m, r) for m in batch.starts if (r := self.started(m)) is not None]
+        for msg in batch.reports:
+            rec = self.records.get(msg.trial)
+            if rec is not None:  # else its outcome is recorded: a late report, dropped
+                rec.received[msg.execution] = rec.received.get(msg.execution, 0) + 1
+                out.reports.append((msg, rec))
+                v = msg.value
+                if v is not None and math.isfinite(v) and msg.step not in rec.reported:
+                    rec.reported.add(msg.step)  # a replayed step is told once
+                    out.values.append((rec, msg.step, v))
+        for end in batch.ends:
+            rec = self.ended(end)
+            if rec is not None and isinstance(end, Failed):
+                out.failed.append((rec, end.reason))
+        for e in ended:
+            out.failed += self.worker_ended(e.name, e.error)
+        now = time.monotonic()
+        for rec in self.finishing():
+            late = now - rec.finishing_since >= FLUSH_TIMEOUT_S
+            if rec.reports_in() or late or force:
+                out.finished.append(rec)
+                if not rec.reports_in():
+                    out.late.append(rec)
+        return out
 
     # ---- outcomes ---------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from service.store.session import make_engine, make_sessionmaker, session_scope
 from service.store.studies import StudyRows
 from tests.service.test_e2e_ray import small_quickstart
 from workers.config import TrialSummary
-from workers.messages import Assignment, Batch, Failed, Report, Stopped
+from workers.messages import Assignment, Batch, Failed, Report, Started, Stopped
 
 
 class NoRay:
@@ -81,6 +81,13 @@ def _report(number: int, step: int, value: float) -> Report:
     return Report(number, "exec", step, [("val_loss", None, None, value)], value)
 
 
+def _said(runner: StudyRunner, rec: TrialRecord, *reports: Report) -> None:
+    """The loop's post-process of a batch in which `rec`'s worker started it (once) and
+    sent `reports`: a started trial, so nothing asks Ray why a trial waits."""
+    starts = [Started(rec.worker, rec.number, "exec", "n", 1.0)] if rec.worker else []
+    runner._post_process(Batch(starts=starts, reports=list(reports)), [])
+
+
 def _stopped(rec: TrialRecord, summary: dict[str, Any]) -> Stopped:
     assert rec.worker is not None
     return Stopped(
@@ -95,7 +102,7 @@ def test_a_cancel_that_landed_first_is_never_overwritten(db_url: str, tmp_path: 
         s.execute(update(Trial).where(Trial.id == rec.row_id).values(state="CANCELLED"))
     summary = {"status": "completed", "steps_done": 40, "final_val_loss": 1.5, "eval_steps": [40]}
     assert runner.scheduler.ended(_stopped(rec, summary)) is rec
-    runner._record_finished()
+    runner._post_process(Batch(), [])
     assert runner.storage.get_trial(rec.trial._trial_id).state == OptunaState.RUNNING  # not told
     assert not runner.store.trials.record_failure(rec.row_id, "late failure", 1.0)
     row = _row(runner, rec)
@@ -105,11 +112,10 @@ def test_a_cancel_that_landed_first_is_never_overwritten(db_url: str, tmp_path: 
 def test_last_step_never_goes_backwards(db_url: str, tmp_path: Path) -> None:
     runner = _runner(db_url, tmp_path)
     rec = _launch(runner)
-    records = runner.scheduler.records
-    runner.reports.store([_report(rec.number, 40, 2.0)], records)
-    runner.reports.store([_report(rec.number, 20, 2.5)], records)  # a replay
+    _said(runner, rec, _report(rec.number, 40, 2.0))
+    _said(runner, rec, _report(rec.number, 20, 2.5))  # a replay
     assert _row(runner, rec).last_step == 40
-    runner.reports.store([_report(rec.number, 60, 1.9)], records)
+    _said(runner, rec, _report(rec.number, 60, 1.9))
     assert _row(runner, rec).last_step == 60
 
 
@@ -121,14 +127,41 @@ def test_a_report_after_the_trial_finished_is_dropped_not_a_crash(
     )
     told = _launch(runner)  # finished in Optuna while its report travelled
     runner.search.study.tell(told.trial, state=OptunaState.FAIL)
-    runner.reports.store([_report(told.number, 20, 2.0)], runner.scheduler.records)  # no raise
+    _said(runner, told, _report(told.number, 20, 2.0))  # no raise
     assert runner.reports.stop_trial.__self__.stopped == []  # type: ignore[attr-defined]
     gone = _launch(runner)  # outcome recorded: the runner forgot it
     runner.scheduler.done(gone)
-    runner.reports.store([_report(gone.number, 20, 2.0)], runner.scheduler.records)
+    _said(runner, gone, _report(gone.number, 20, 2.0))
     with session_scope(runner.store.sessions) as s:
         stored = s.scalar(select(func.count()).where(Metric.trial_id == gone.row_id))
     assert stored == 0
+
+
+def test_the_pruner_gets_the_workers_value_and_its_stop_carries_the_reason(
+    db_url: str, tmp_path: Path
+) -> None:
+    """#33: the runner hands Optuna's pruner the value a report carries (the worker computed
+    it) and nothing else: a report without one is stored but not told, a replayed step is
+    told once; a pruned trial is stopped with a reason naming the metric, value and step."""
+    runner = _runner(
+        db_url, tmp_path, pruner={"kind": "median", "n_startup_trials": 0, "n_warmup_steps": 0}
+    )
+    metric = runner.spec.objectives[0].metric
+    good, bad = _launch(runner), _launch(runner)
+    starts = [Started(r.worker or "", r.number, "exec", "n", 1.0) for r in (good, bad)]
+    runner._post_process(Batch(starts=starts), [])  # both running: neither waits for Ray
+    _said(runner, good, _report(good.number, 20, 1.0))
+    runner.search.study.tell(good.trial, 1.0)
+    silent = Report(bad.number, "exec", 10, [("val_loss", None, None, 9.0)])  # no value
+    _said(runner, bad, silent, _report(bad.number, 20, 5.0))
+    _said(runner, bad, _report(bad.number, 20, 5.0))  # a replay
+    pool = runner.reports.stop_trial.__self__  # type: ignore[attr-defined]
+    assert pool.stopped == [(bad.number, f"median pruner: {metric} 5 at step 20")]
+    frozen = runner.storage.get_trial(bad.trial._trial_id)
+    assert frozen.intermediate_values == {20: 5.0}  # step 10 carried no value: not told
+    with session_scope(runner.store.sessions) as s:
+        steps = s.scalars(select(Metric.step).where(Metric.trial_id == bad.row_id)).all()
+    assert sorted(steps) == [10, 20]  # every report stored, the replay once
 
 
 def test_a_retried_ask_adopts_the_trial_the_failed_try_created(db_url: str, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from service.config import Settings
 from service.runner.job import run_study
 from service.runner.loop import StudyRunner
 from service.runner.records import Status
+from service.runner.reports import Reports
 from service.runner.scheduler import Scheduler
 from service.spec import StudySpec
 from service.store import Fence, Store, Superseded, migrate
@@ -32,7 +33,7 @@ from service.store.session import make_engine, make_sessionmaker
 from service.store.trials import ResultRow, StartRow
 from tests.workers.test_trial import TINY
 from workers.config import TrialSummary
-from workers.messages import Assignment, Stopped
+from workers.messages import Assignment, Batch, Stopped
 
 SPEC = StudySpec.model_validate(
     {"name": "two-runners", "base": TINY, "budget": {"n_trials": 4}, "fuse": 1}
@@ -157,6 +158,8 @@ class _NoPool:
     def start(self, name: str, capacity: int, first: list[Assignment]) -> None: ...
     def assign(self, name: str, items: list[Assignment]) -> None: ...
     def close(self, name: str) -> None: ...
+    @staticmethod
+    def stop(number: int, reason: str) -> None: ...
 
 
 def _optuna_states(db_url: str, sid: int) -> list[str]:
@@ -183,6 +186,7 @@ def test_a_stale_runner_tells_optuna_nothing(db_url: str, tmp_path: Path) -> Non
     runner = StudyRunner(sid, settings, engine, attempt=1)
     try:
         runner.scheduler = Scheduler(runner.spec, sid, _NoPool())
+        runner.reports = Reports(runner.spec, runner.store.trials, runner.search, _NoPool.stop)
         runner._ask()
         runner._ask()
         done, failing = runner.scheduler.records.values()
@@ -195,7 +199,7 @@ def test_a_stale_runner_tells_optuna_nothing(db_url: str, tmp_path: Path) -> Non
         assert _optuna_states(db_url, sid) == ["RUNNING", "RUNNING"]
         assert api.studies.claim_launch(sid, 1) == 2  # attempt 2 takes over
         with pytest.raises(Superseded):
-            runner._record_finished()
+            runner._post_process(Batch(), [])
         with pytest.raises(Superseded):
             runner._fail(failing, "its worker was lost")
         with pytest.raises(Superseded):
