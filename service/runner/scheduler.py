@@ -125,6 +125,19 @@ class Scheduler:
             return self.spec.slots
         return 1 + self.known // self.spec.parallelism
 
+    # ---- slot counts: decided here alone ---------------------------------------------------
+    # `configs.slot_key` gives a key's most slots (the spec's `fuse`, or `auto`'s estimate);
+    # `depth` the ramp; a worker that measured less room (handed back, out of memory) lowers
+    # its key's count for every later worker of that key.
+
+    def _capacity(self, key: str, slots: int) -> int:
+        """Slots a new worker of `key` gets: the key's most, or fewer once one fitted less."""
+        return min(slots, self.slots_for.get(key, slots))
+
+    def _fits(self, key: str, n: int) -> None:
+        """A worker of `key` found room for `n` members only."""
+        self.slots_for[key] = min(n, self.slots_for.get(key, n))
+
     def _free(self, w: SlotWorker) -> int:
         if w.sealed:
             return 0
@@ -176,7 +189,7 @@ class Scheduler:
             elif len(self.workers) < self.spec.parallelism:
                 name = f"study-{self.study_id}/worker-{self._serial}"
                 self._serial += 1
-                worker = SlotWorker(name, key, min(slots, self.slots_for.get(key, slots)))
+                worker = SlotWorker(name, key, self._capacity(key, slots))
                 self.workers[name] = worker
                 self.pool.start(name, worker.capacity, [item])
             else:
@@ -228,7 +241,7 @@ class Scheduler:
         worker = self.workers[msg.worker]
         worker.members.discard(rec.number)
         if isinstance(msg, HandedBack):
-            self.slots_for[worker.key] = min(msg.slots, self.slots_for.get(worker.key, msg.slots))
+            self._fits(worker.key, msg.slots)
             worker.capacity = min(worker.capacity, max(len(worker.members), 1), msg.slots)
             if not worker.members and not worker.closed:  # e.g. out of memory: it exits
                 self._close(worker)
@@ -252,8 +265,7 @@ class Scheduler:
         if error is not None and "OutOfMemoryError" in error and len(worker.members) > 1:
             # killed by the host's memory monitor with several members: its key gets fewer
             # slots, as a worker that ran out of memory itself would have handed them back
-            fits = self.slots_for.get(worker.key, worker.capacity)
-            self.slots_for[worker.key] = min(fits, len(worker.members) - 1)
+            self._fits(worker.key, len(worker.members) - 1)
         give_up: list[tuple[TrialRecord, str]] = []
         reason = error or "its worker ended without finishing it"
         for number in sorted(worker.members, reverse=True):  # the lowest number first in line
