@@ -189,7 +189,7 @@ def run_study(api: Api, spec: dict[str, Any], faults: list[tuple[str, Any]]) -> 
 def _counts(db_url: str, sid: int, n_trials: int) -> dict[str, Any]:
     from sqlalchemy import text
 
-    from service.store.session import make_engine
+    from service.store import make_engine
     from tests.service.invariants import check_finished_study
 
     engine = make_engine(db_url)
@@ -254,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         home = Path(tmp)
         head = RayHead(home / "ray", num_cpus=2)
         os.environ.update(head.env())  # before anything imports ray
-        from service.store import migrate
+        from service.store import upgrade_schema
         from tests.service.db_proxy import CuttableProxy
 
-        migrate.upgrade(db)
+        upgrade_schema(db)
         proxy = CuttableProxy(db)
         say(f"ray head ready in {head.start():.0f} s")
         env = {k: v for k, v in os.environ.items() if not k.startswith("QKSCOPE_")}

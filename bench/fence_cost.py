@@ -35,9 +35,15 @@ from bench._common import (
     table,
 )
 from service.spec import StudySpec
-from service.store import Fence, Store, migrate
-from service.store.session import make_engine, make_sessionmaker
-from service.store.trials import MetricRow, StartRow
+from service.store import (
+    Fence,
+    MetricRow,
+    StartRow,
+    Store,
+    make_engine,
+    make_sessionmaker,
+    upgrade_schema,
+)
 
 ROWS_PER_BATCH = 12 * 12 * 4 + 13 + 5  # per-head metrics, rank ratios, scalars
 
@@ -58,7 +64,7 @@ def _batch(row_id: int, step: int) -> list[MetricRow]:
 
 
 def measure(url: str, reps: int) -> list[list[object]]:
-    migrate.upgrade(url)
+    upgrade_schema(url)
     engine = make_engine(url)
     try:
         sessions = make_sessionmaker(engine)

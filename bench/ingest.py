@@ -118,11 +118,9 @@ class Harness:
         from service.runner.loop import StudyRunner
         from service.runner.reports import Reports
         from service.spec import StudySpec
-        from service.store import migrate
-        from service.store.session import make_engine, make_sessionmaker
-        from service.store.studies import StudyRows
+        from service.store import StudyRows, make_engine, make_sessionmaker, upgrade_schema
 
-        migrate.upgrade(url)
+        upgrade_schema(url)
         self.url = url
         self.engine = make_engine(url)
         self.sessions = make_sessionmaker(self.engine)
@@ -144,8 +142,7 @@ class Harness:
         return trial.number, row_id
 
     def metric_count(self) -> int:
-        from service.store.models import Metric
-        from service.store.session import session_scope
+        from service.store import Metric, session_scope
 
         with session_scope(self.sessions) as s:
             return int(s.scalar(select(func.count()).select_from(Metric)) or 0)

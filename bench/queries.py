@@ -126,12 +126,17 @@ def load_qkscope(url: str, trials: list[dict[str, Any]], rows_per_trial: int, se
     """Study + trials (bulk INSERT) + metrics (service.store.ingest.insert_metrics, per chunk)."""
     from sqlalchemy import insert
 
-    from service.store import migrate
-    from service.store.ingest import insert_metrics
-    from service.store.models import Study, Trial
-    from service.store.session import make_engine, make_sessionmaker, session_scope
+    from service.store import (
+        Study,
+        Trial,
+        insert_metrics,
+        make_engine,
+        make_sessionmaker,
+        session_scope,
+        upgrade_schema,
+    )
 
-    migrate.upgrade(url)
+    upgrade_schema(url)
     engine = make_engine(url)
     sessions = make_sessionmaker(engine)
     with session_scope(sessions) as s:
@@ -217,7 +222,7 @@ def load_optuna(url: str, trials: list[dict[str, Any]]) -> tuple[str, float]:
     from optuna.trial import TrialState, create_trial
     from sqlalchemy import create_engine, insert, select
 
-    from service.store.session import normalize_url
+    from service.store import normalize_url
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = optuna.storages.RDBStorage(normalize_url(url))
@@ -458,8 +463,7 @@ def run_queries(
     from service.app import create_app
     from service.config import Settings
     from service.read import queries
-    from service.store.models import Study
-    from service.store.session import session_scope
+    from service.store import Study, session_scope
 
     pick = random.Random(1)
     probe_trials = [ids[pick.randrange(len(ids))] for _ in range(16)]
@@ -579,7 +583,7 @@ def optuna_questions(
     import optuna
     from optuna.trial import TrialState
 
-    from service.store.session import normalize_url
+    from service.store import normalize_url
 
     raw = optuna.storages.RDBStorage(normalize_url(url))
     sid = raw.get_study_id_from_name(name)

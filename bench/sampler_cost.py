@@ -118,7 +118,7 @@ def bulk_add(url: str, study_name: str, kind: str, history: list[dict[str, Any]]
     from optuna.trial import TrialState
     from sqlalchemy import create_engine, insert, select
 
-    from service.store.session import normalize_url
+    from service.store import normalize_url
 
     storage = optuna.storages.RDBStorage(normalize_url(url))
     study_id = storage.get_study_id_from_name(study_name)
@@ -249,11 +249,9 @@ def run_rdb(url: str, label: str, args: argparse.Namespace, out: list[dict[str, 
     from service.runner.loop import StudyRunner
     from service.runner.search import make_sampler
     from service.spec import StudySpec
-    from service.store import migrate
-    from service.store.session import make_engine, make_sessionmaker
-    from service.store.studies import StudyRows
+    from service.store import StudyRows, make_engine, make_sessionmaker, upgrade_schema
 
-    migrate.upgrade(url)
+    upgrade_schema(url)
     engine = make_engine(url)
     sessions = make_sessionmaker(engine)
     rng = random.Random(0)

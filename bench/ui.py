@@ -89,12 +89,17 @@ def load(url: str, n_trials: int, n_rows: int) -> tuple[int, int]:
     from sqlalchemy import insert, select, text
 
     from bench.queries import SPEC, synth_trial
-    from service.store import migrate
-    from service.store.ingest import insert_metrics
-    from service.store.models import Study, Trial
-    from service.store.session import make_engine, make_sessionmaker, session_scope
+    from service.store import (
+        Study,
+        Trial,
+        insert_metrics,
+        make_engine,
+        make_sessionmaker,
+        session_scope,
+        upgrade_schema,
+    )
 
-    migrate.upgrade(url)
+    upgrade_schema(url)
     engine = make_engine(url)
     sessions = make_sessionmaker(engine)
     rng = random.Random(0)

@@ -6,8 +6,7 @@ from typing import Any
 
 from alembic import context
 
-from service.store.models import Base
-from service.store.session import make_engine
+from service.store import Base, make_engine
 
 VERSION_TABLE = "qkscope_alembic_version"
 

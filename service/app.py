@@ -22,8 +22,7 @@ from service.control.db_health import DatabaseHealth, watch_database
 from service.control.reconciler import LauncherSlot, reconcile_forever
 from service.read import prom
 from service.read.importance import ImportanceCache
-from service.store import Store, migrate
-from service.store.session import make_engine, make_reader, make_sessionmaker, ping
+from service.store import Store, make_engine, make_reader, make_sessionmaker, ping, upgrade_schema
 from service.ui import mount_ui
 
 __all__ = ["create_app"]
@@ -37,7 +36,7 @@ def _lifespan(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.resolved_database_url()
-        await run_in_threadpool(migrate.upgrade, url)
+        await run_in_threadpool(upgrade_schema, url)
         engine = make_engine(url)
         app.state.settings = settings
         app.state.sessions = make_reader(engine)  # the read side: refuses any write

@@ -512,9 +512,9 @@ def main(argv: list[str] | None = None) -> int:
             return stop()
         if args.cmd == "db":
             from service.config import get_settings
-            from service.store import migrate
+            from service.store import upgrade_schema
 
-            migrate.upgrade(get_settings().resolved_database_url())
+            upgrade_schema(get_settings().resolved_database_url())
             print("database is at the latest schema")
             return 0
         return _client_command(args)

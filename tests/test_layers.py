@@ -39,6 +39,8 @@ def test_the_layer_contracts_are_kept() -> None:
         ("service/api/studies.py", "import service.runner.loop", "never imports the study runner"),
         ("service/runner/loop.py", "from sqlalchemy import update", "only the store writes rows"),
         ("service/control/launch.py", "import sqlalchemy", "only the store writes rows"),
+        ("service/read/prom.py", "from service.store.models import Study", "shows one face"),
+        ("service/runner/loop.py", "from service.store import session", "shows one face"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(

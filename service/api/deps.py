@@ -12,8 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
 from service.control.ray_cluster import JobLauncher
-from service.store import Store
-from service.store.session import session_scope
+from service.store import Store, session_scope
 
 __all__ = [
     "LauncherDep",

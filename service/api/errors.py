@@ -10,7 +10,7 @@ from sqlalchemy.exc import DBAPIError, PendingRollbackError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.schemas import ErrorBody, FieldError
-from service.store.session import DatabaseUnavailable, database_away
+from service.store import DatabaseUnavailable, database_away
 
 __all__ = ["RETRY_AFTER_S", "ApiError", "install_error_handlers", "validation_errors"]
 

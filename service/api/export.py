@@ -12,7 +12,7 @@ from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody, FieldError
 from service.read.export import MEDIA_TYPES, export_stream
-from service.store.models import Study
+from service.store import Study
 
 __all__ = ["router"]
 

@@ -13,7 +13,7 @@ from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody, FieldError
 from service.read.lr_sensitivity import LrSensitivityError, study_lr_sensitivity
-from service.store.models import Study
+from service.store import Study
 
 __all__ = ["LrSensitivityOut", "router"]
 

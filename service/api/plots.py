@@ -13,7 +13,7 @@ from service.api.deps import SessionDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody, FieldError
 from service.read.plots import PLOT_KINDS, PlotError, PlotOptions, plot_data, render_png
-from service.store.models import Study
+from service.store import Study
 
 __all__ = ["PlotKind", "router"]
 

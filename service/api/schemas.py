@@ -7,7 +7,7 @@ from typing import Annotated, Any, Generic, TypeVar
 
 from pydantic import AfterValidator, BaseModel, Field
 
-from service.store.models import Study, Trial
+from service.store import Study, Trial
 
 __all__ = ["ErrorBody", "FieldError", "MetricOut", "Page", "StudyOut", "TrialOut"]
 

@@ -23,7 +23,7 @@ from service.api.openapi import not_found
 from service.api.paging import decode_cursor, encode_cursor
 from service.api.schemas import FieldError
 from service.read import queries
-from service.store.models import Trial
+from service.store import Trial
 
 __all__ = ["MAX_ROWS", "SeriesOut", "TrialSeriesOut", "router"]
 

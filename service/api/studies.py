@@ -25,9 +25,7 @@ from service.control.ray_cluster import JobLauncher
 from service.read import queries
 from service.resources import unmet
 from service.spec import SpecError, StudySpec, check_data_dirs, check_limits, parse_spec
-from service.store import Store
-from service.store.models import Study, StudyStatus, Trial, TrialState
-from service.store.session import session_scope
+from service.store import Store, Study, StudyStatus, Trial, TrialState, session_scope
 
 __all__ = ["router"]
 

@@ -13,7 +13,7 @@ from service.api.openapi import not_found
 from service.api.paging import decode_cursor, encode_cursor
 from service.api.schemas import FieldError, MetricOut, TrialOut
 from service.read import queries
-from service.store.models import Trial
+from service.store import Trial
 from workers.metric_names import SERIES_NAMES
 
 __all__ = ["MAX_METRIC_ROWS", "NEXT_CURSOR", "router"]

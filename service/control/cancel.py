@@ -5,9 +5,7 @@ from __future__ import annotations
 import optuna
 
 from service.control.ray_cluster import JobLauncher
-from service.store import Store
-from service.store.models import Study, StudyStatus, TrialState
-from service.store.optuna import optuna_storage
+from service.store import Store, Study, StudyStatus, TrialState, optuna_storage
 
 __all__ = ["cancel_study"]
 

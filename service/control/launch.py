@@ -14,9 +14,7 @@ from datetime import UTC
 
 from service.config import Settings
 from service.control.ray_cluster import JOB_SERVER_TIMEOUT_S, JobLauncher, job_id_for
-from service.store import Store
-from service.store.models import StudyStatus, TrialState, utcnow
-from service.store.optuna import optuna_storage
+from service.store import Store, StudyStatus, TrialState, optuna_storage, utcnow
 
 __all__ = ["close_leftovers", "launch_study", "reconcile", "runner_env"]
 

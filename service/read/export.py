@@ -38,8 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.read.plots import collapse_class
 from service.read.queries import MetricKey, metric_series
-from service.store.models import NO_INDEX, SUMMARY_COLUMNS, Study, Trial
-from service.store.session import session_scope
+from service.store import NO_INDEX, SUMMARY_COLUMNS, Study, Trial, session_scope
 from workers.metric_names import SUMMARIES
 
 __all__ = [

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.store.models import SUMMARY_COLUMNS, Study, Trial, TrialState
+from service.store import SUMMARY_COLUMNS, Study, Trial, TrialState
 from workers.metric_names import NUMERIC_SUMMARIES
 
 __all__ = [

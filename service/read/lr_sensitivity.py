@@ -40,7 +40,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.read.intervals import t_interval
-from service.store.models import NO_INDEX, Metric, Study, Trial, TrialState
+from service.store import NO_INDEX, Metric, Study, Trial, TrialState
 
 __all__ = [
     "CONFIDENCE",

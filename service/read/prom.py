@@ -29,8 +29,7 @@ from prometheus_client.exposition import choose_encoder
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.store.models import OPEN_TRIAL_STATES, Study, StudyStatus, Trial, TrialState
-from service.store.session import session_scope
+from service.store import OPEN_TRIAL_STATES, Study, StudyStatus, Trial, TrialState, session_scope
 
 __all__ = [
     "DURATION_BUCKETS",

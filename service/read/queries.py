@@ -13,7 +13,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
 from sqlalchemy.types import Text
 
-from service.store.models import (
+from service.store import (
     NO_INDEX,
     OPEN_TRIAL_STATES,
     SUMMARY_COLUMNS,

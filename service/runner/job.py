@@ -28,10 +28,12 @@ import ray
 
 from service.config import Settings, get_settings
 from service.runner.loop import StudyRunner
-from service.store import Store, Superseded
-from service.store.fence import Fence
-from service.store.models import StudyStatus, TrialState
-from service.store.session import (
+from service.store import (
+    Fence,
+    Store,
+    StudyStatus,
+    Superseded,
+    TrialState,
     database_away,
     make_engine,
     make_sessionmaker,

@@ -38,11 +38,17 @@ from service.runner.scheduler import FLUSH_TIMEOUT_S, Scheduler
 from service.runner.search import Search
 from service.runner.waiting import WaitingReason
 from service.spec import SpecError, StudySpec
-from service.store import Fence, Store
-from service.store.models import OPEN_TRIAL_STATES, StudyStatus, TrialState
-from service.store.optuna import optuna_storage
-from service.store.session import make_sessionmaker, with_retry
-from service.store.studies import TERMINAL
+from service.store import (
+    OPEN_TRIAL_STATES,
+    TERMINAL,
+    Fence,
+    Store,
+    StudyStatus,
+    TrialState,
+    make_sessionmaker,
+    optuna_storage,
+    with_retry,
+)
 from workers.config import TrialConfig
 from workers.messages import Batch
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from service.runner.records import TrialRecord
 from service.runner.search import Search
 from service.spec import StudySpec
-from service.store.trials import MetricRow, StartRow, TrialRows
+from service.store import MetricRow, StartRow, TrialRows
 from workers.messages import Report, Started
 
 __all__ = ["Reports"]

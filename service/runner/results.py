@@ -13,9 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.spec import StudySpec
-from service.store.models import TrialState
-from service.store.optuna import Outcome, constraint_values, objective_values, stored_outcome
-from service.store.trials import ResultRow
+from service.store import (
+    Outcome,
+    ResultRow,
+    TrialState,
+    constraint_values,
+    objective_values,
+    stored_outcome,
+)
 from workers import curves as M
 from workers.config import TrialSummary
 from workers.messages import Stopped

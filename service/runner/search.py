@@ -20,8 +20,7 @@ from optuna.trial import TrialState as OptunaState
 
 from service.runner.configs import suggest
 from service.spec import StudySpec
-from service.store.optuna import Outcome, optuna_study_name, tell_outcome
-from service.store.session import with_retry
+from service.store import Outcome, optuna_study_name, tell_outcome, with_retry
 
 __all__ = ["Search", "make_pruner", "make_sampler"]
 

@@ -12,7 +12,7 @@ import ray
 
 from service.resources import unmet
 from service.spec import StudySpec
-from service.store.studies import StudyRows
+from service.store import StudyRows
 
 __all__ = ["WAIT_CHECK_S", "WaitingReason"]
 

@@ -8,7 +8,7 @@ Contract (tests/service/store/test_contract.py runs it on SQLite and PostgreSQL)
   `make_reader`, which refuse any write.
 - **Whole transactions.** Each method is one transaction: it commits as a whole or not at
   all. The runner's methods retry after a dropped connection or a locked database
-  (`with_retry`), so each is safe to repeat.
+  (`with_retry`, through `Rows._tx`: service/store/rows.py), so each is safe to repeat.
 - **Ends are conditional.** A study's terminal status is never left (`set_status` only
   matches a live row). A trial ends once: an ending only matches a QUEUED or RUNNING row,
   so whoever ends it first (a result, a failure, a cancel) wins, and the late writer only
@@ -22,6 +22,12 @@ Contract (tests/service/store/test_contract.py runs it on SQLite and PostgreSQL)
   checks, in the same transaction as each write, that the attempt is still the study's
   current one; if not, the write changes nothing and raises `Superseded`
   (service/store/fence.py).
+
+The package is the store's one face: every other package imports what it needs from
+`service.store`, never from its modules (pyproject.toml's import-linter contract "the store
+shows one face"). Each public method of `StudyRows` and `TrialRows` says, as Optuna's
+storages/_base.py does, what it returns, what it raises (`DatabaseUnavailable` after the
+outage window, `Superseded` when fenced) and which rows it may change.
 """
 
 from __future__ import annotations
@@ -29,10 +35,87 @@ from __future__ import annotations
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.store.fence import Fence, Superseded
-from service.store.studies import StudyRows
-from service.store.trials import TrialRows
+from service.store.ingest import insert_metrics
+from service.store.models import (
+    CURRENT_PENALTY_VERSION,
+    NO_INDEX,
+    OPEN_TRIAL_STATES,
+    SUMMARY_COLUMNS,
+    Base,
+    Metric,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialState,
+    utcnow,
+)
+from service.store.optuna import (
+    Outcome,
+    constraint_values,
+    objective_values,
+    optuna_storage,
+    optuna_study_name,
+    stored_outcome,
+    tell_outcome,
+)
+from service.store.session import (
+    DatabaseUnavailable,
+    ReadOnlyError,
+    database_away,
+    make_engine,
+    make_reader,
+    make_sessionmaker,
+    normalize_url,
+    outage_window,
+    ping,
+    session_scope,
+    with_retry,
+)
+from service.store.studies import TERMINAL, StudyRows
+from service.store.trials import MetricRow, ResultRow, StartRow, TrialRows
 
-__all__ = ["Fence", "Store", "Superseded"]
+__all__ = [
+    "CURRENT_PENALTY_VERSION",
+    "NO_INDEX",
+    "OPEN_TRIAL_STATES",
+    "SUMMARY_COLUMNS",
+    "TERMINAL",
+    "Base",
+    "DatabaseUnavailable",
+    "Fence",
+    "Metric",
+    "MetricRow",
+    "Outcome",
+    "ReadOnlyError",
+    "ResultRow",
+    "StartRow",
+    "Store",
+    "Study",
+    "StudyRows",
+    "StudyStatus",
+    "Superseded",
+    "Trial",
+    "TrialRows",
+    "TrialState",
+    "constraint_values",
+    "database_away",
+    "insert_metrics",
+    "make_engine",
+    "make_reader",
+    "make_sessionmaker",
+    "normalize_url",
+    "objective_values",
+    "optuna_storage",
+    "optuna_study_name",
+    "outage_window",
+    "ping",
+    "session_scope",
+    "stored_outcome",
+    "tell_outcome",
+    "upgrade_schema",
+    "utcnow",
+    "with_retry",
+]
 
 
 class Store:
@@ -44,3 +127,12 @@ class Store:
         self.fence = fence
         self.studies = StudyRows(sessions, fence)
         self.trials = TrialRows(sessions, fence)
+
+
+def upgrade_schema(url: str, revision: str = "head") -> None:
+    """Bring the database at `url` to the schema `revision` (Alembic; our tables only);
+    safe to run on every start (service/store/migrate.py, imported here only when called,
+    so that a study runner never loads Alembic)."""
+    from service.store.migrate import upgrade
+
+    upgrade(url, revision)

@@ -26,10 +26,9 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service.spec import StudySpec
-from service.store.fence import Fence, check_fence
 from service.store.models import (
     OPEN_TRIAL_STATES,
     Study,
@@ -39,7 +38,8 @@ from service.store.models import (
     utcnow,
 )
 from service.store.optuna import optuna_study_name
-from service.store.session import session_scope, with_retry
+from service.store.rows import Rows
+from service.store.session import session_scope
 
 __all__ = ["LIVE", "RAY_UNREACHABLE", "TERMINAL", "StudyRows"]
 
@@ -77,21 +77,37 @@ def _first_line(e: object, limit: int = 200) -> str:
     return (text[0] if text else type(e).__name__)[:limit]
 
 
-class StudyRows:
-    """The writes of `qk_study` (and the reads its writers need). With a `fence` (a study
-    runner's), the writes a runner makes (`set_status`, `fail_live`, `set_waiting_reason`,
-    `check_current`) hold only while its attempt is current (service/store/fence.py)."""
+class StudyRows(Rows):
+    """The writes of `qk_study` (and the reads its writers need).
 
-    def __init__(self, sessions: sessionmaker[Session], fence: Fence | None = None) -> None:
-        self.sessions = sessions
-        self.fence = fence
+    Each method is one transaction. Those marked *retried* run under `with_retry`: after a
+    dropped connection or a locked database they run again (each is safe to repeat), and
+    they raise `DatabaseUnavailable` once the database stayed away for the outage window
+    (`outage_window`: a runner's `db_outage_s`, else 24 s); a deadlock or another transient
+    error is re-raised after 24 s at most. The others (the API's and the reconciler's) run
+    once: a database error propagates as SQLAlchemy raised it, the transaction rolled back.
+
+    With a `fence` (a study runner's), the writes a runner makes (`set_status`,
+    `fail_live`, `set_waiting_reason`, `check_current`) hold only while its attempt is
+    current: otherwise they change nothing and raise `Superseded`
+    (service/store/fence.py). The launch methods are not fenced: claiming an attempt is
+    what moves the fence.
+    """
 
     # ---- creation ------------------------------------------------------------------------
 
     def create(self, spec: StudySpec, idempotency_key: str | None = None) -> tuple[Study, bool]:
         """Insert a PENDING study, or return the one an earlier request with the same
         idempotency key created (two concurrent POSTs race on the unique index: the loser
-        reads the winner's row)."""
+        reads the winner's row). Run once; unfenced.
+
+        Returns:
+            The row (detached), and whether this call inserted it.
+
+        Raises:
+            sqlalchemy.exc.IntegrityError: Without an idempotency key, if the insert breaks
+                a constraint.
+        """
         try:
             return self._insert(spec, idempotency_key)
         except IntegrityError:
@@ -123,57 +139,79 @@ class StudyRows:
             return row, True
 
     def get(self, study_id: int) -> Study | None:
+        """Read the study row (detached), or None if there is none. Run once; writes
+        nothing."""
         with session_scope(self.sessions) as s:
             return s.get(Study, study_id)
 
     # ---- status --------------------------------------------------------------------------
 
     def set_status(self, study_id: int, status: StudyStatus, error: str | None = None) -> bool:
-        """Move a live study to `status`; a terminal status (a cancel) is never left. Returns
-        whether the row changed."""
+        """Move a live (PENDING or RUNNING) study to `status`; a terminal status (a cancel)
+        is never left. Changes only the study row: `status`, `finished_at` for a terminal
+        one, `error` if given, `started_at` the first time it is RUNNING. Retried; fenced.
+
+        Returns:
+            Whether the row changed (False: the study had ended already).
+
+        Raises:
+            Superseded: The fence is stale; nothing changed.
+            DatabaseUnavailable: The database stayed away for the outage window.
+        """
         values: dict[str, Any] = {"status": status}
         if status in TERMINAL:
             values["finished_at"] = utcnow()
         if error:
             values["error"] = error
 
-        def write() -> bool:
-            with session_scope(self.sessions) as s:
-                check_fence(s, self.fence)
-                q = update(Study).where(Study.id == study_id, Study.status.in_(LIVE))
-                changed = s.execute(q.values(**values)).rowcount  # type: ignore[attr-defined]
-                if status == StudyStatus.RUNNING:
-                    s.execute(
-                        update(Study)
-                        .where(Study.id == study_id, Study.started_at.is_(None))
-                        .values(started_at=utcnow())
-                    )
-                return bool(changed)
+        def write(s: Session) -> bool:
+            q = update(Study).where(Study.id == study_id, Study.status.in_(LIVE))
+            changed = s.execute(q.values(**values)).rowcount  # type: ignore[attr-defined]
+            if status == StudyStatus.RUNNING:
+                s.execute(
+                    update(Study)
+                    .where(Study.id == study_id, Study.started_at.is_(None))
+                    .values(started_at=utcnow())
+                )
+            return bool(changed)
 
-        return with_retry(write, "set study status")
+        return self._tx(write, "set study status")
 
     def check_current(self) -> None:
-        """Raise `Superseded` unless this store's fence is the study's current attempt
-        (before a write elsewhere: an Optuna ask)."""
+        """Check that this store's fence is the study's current attempt (before a write
+        elsewhere: an Optuna ask). Changes nothing; no-op without a fence. Retried.
 
-        def check() -> None:
-            with session_scope(self.sessions) as s:
-                check_fence(s, self.fence)
-
+        Raises:
+            Superseded: The fence is stale.
+            DatabaseUnavailable: The database stayed away for the outage window.
+        """
         if self.fence is not None:
-            with_retry(check, "check fence")
+            self._tx(lambda s: None, "check fence")
 
     def status(self, study_id: int) -> StudyStatus | None:
-        def read() -> StudyStatus | None:
-            with session_scope(self.sessions) as s:
-                v = s.scalar(select(Study.status).where(Study.id == study_id))
-                return None if v is None else StudyStatus(v)
+        """Read the study's status. Retried; unfenced; writes nothing.
 
-        return with_retry(read, "read study status")
+        Returns:
+            The status, or None if there is no such study.
+
+        Raises:
+            DatabaseUnavailable: The database stayed away for the outage window.
+        """
+
+        def read(s: Session) -> StudyStatus | None:
+            v = s.scalar(select(Study.status).where(Study.id == study_id))
+            return None if v is None else StudyStatus(v)
+
+        return self._tx(read, "read study status", fenced=False)
 
     def cancel(self, study_id: int) -> tuple[Study | None, str | None]:
-        """Mark a live study CANCELLED; returns the row and the Ray job id to stop (None when
-        the study had ended already: a cancel of an ended study changes nothing)."""
+        """Mark a live study CANCELLED (`finished_at` set, `waiting_reason` cleared). Its
+        trials are left to `TrialRows.finish_open`. Run once; unfenced.
+
+        Returns:
+            The row (None: no such study) and the Ray job id to stop (None when the study
+            had ended already: a cancel of an ended study changes nothing).
+        """
         with session_scope(self.sessions) as s:
             changed = s.execute(
                 update(Study)
@@ -184,14 +222,20 @@ class StudyRows:
             return row, (row.ray_job_id if row is not None and changed else None)
 
     def fail_live(self, study_id: int, reason: str) -> bool:
-        """FAILED with `reason`, unless the study ended meanwhile."""
+        """FAILED with `reason`, unless the study ended meanwhile: `set_status` (retried,
+        fenced; same return value and errors). Its trials are left to `finish_open`."""
         return self.set_status(study_id, StudyStatus.FAILED, reason)
 
     # ---- launching -----------------------------------------------------------------------
 
     def claim_launch(self, study_id: int, seen_attempts: int | None) -> int | None:
-        """Claim the next runner-job attempt of a live study: its number, or None when the
-        study ended or (with `seen_attempts`) somebody launched it since the caller looked."""
+        """Claim the next runner-job attempt of a live study: `job_attempts` + 1, which
+        supersedes every earlier attempt's fence. Run once; unfenced.
+
+        Returns:
+            The attempt's number, or None when the study ended or (with `seen_attempts`)
+            somebody launched it since the caller looked (nothing changed).
+        """
         with session_scope(self.sessions) as s:
             claim = update(Study).where(Study.id == study_id, Study.status.in_(LIVE))
             if seen_attempts is not None:
@@ -202,12 +246,14 @@ class StudyRows:
             return int(s.scalar(select(Study.job_attempts).where(Study.id == study_id)) or 0)
 
     def record_job(self, study_id: int, job_id: str | None) -> None:
-        """The job id of the attempt about to be submitted (chosen by us, recorded first)."""
+        """Record the job id of the attempt about to be submitted (chosen by us, recorded
+        before the submission). Changes the study's `ray_job_id` only. Run once; unfenced."""
         with session_scope(self.sessions) as s:
             s.execute(update(Study).where(Study.id == study_id).values(ray_job_id=job_id))
 
     def unclaim_launch(self, study_id: int, previous_job: str | None) -> None:
-        """The job was certainly not submitted: the attempt does not count."""
+        """Give back a claimed attempt whose job was certainly not submitted: `job_attempts`
+        - 1 and `ray_job_id` back to `previous_job`. Run once; unfenced."""
         with session_scope(self.sessions) as s:
             s.execute(
                 update(Study)
@@ -216,7 +262,8 @@ class StudyRows:
             )
 
     def live(self) -> Sequence[Row[int, str, str | None, datetime, int]]:
-        """(id, status, ray_job_id, created_at, job_attempts) of every live study."""
+        """(id, status, ray_job_id, created_at, job_attempts) of every live study. Run once;
+        writes nothing."""
         with session_scope(self.sessions) as s:
             return s.execute(
                 select(
@@ -229,7 +276,7 @@ class StudyRows:
         RUNNING trials, in our table or in Optuna's: a runner that failed because the
         database did, a cancel cut off half way, or a close whose Optuna step failed after
         our rows were closed (found by Optuna's RUNNING trials, so the next round retries
-        it). The reconciler closes their trials."""
+        it). The reconciler closes their trials. Run once; writes nothing."""
         with session_scope(self.sessions) as s:
             open_rows = (
                 select(Trial.id)
@@ -250,7 +297,12 @@ class StudyRows:
 
     def mark_ray_unreachable(self, address: str, error: object, study_id: int | None = None) -> int:
         """Say on live studies (or just `study_id`) that Ray's job server does not answer,
-        instead of a silent PENDING; a reason the runner wrote is kept. Returns how many."""
+        instead of a silent PENDING; a reason the runner wrote is kept. Changes only their
+        `waiting_reason`. Run once; unfenced.
+
+        Returns:
+            How many study rows changed.
+        """
         reason = (
             f"{RAY_UNREACHABLE}: the job server at {address} does not answer "
             f"({_first_line(error)}); the study starts once it does"
@@ -266,6 +318,8 @@ class StudyRows:
         return int(n or 0)
 
     def mark_ray_reachable(self, study_id: int | None = None) -> None:
+        """Clear the reasons `mark_ray_unreachable` wrote (on every study, or just
+        `study_id`); the runner's own reasons stay. Run once; unfenced."""
         q = update(Study).where(Study.waiting_reason.startswith(RAY_UNREACHABLE))
         if study_id is not None:
             q = q.where(Study.id == study_id)
@@ -273,16 +327,20 @@ class StudyRows:
             s.execute(q.values(waiting_reason=None))
 
     def set_waiting_reason(self, study_id: int, reason: str | None, queued: list[int]) -> None:
-        """The runner's reason why the study's queued trials (row ids) do not start."""
+        """The runner's reason why the study's queued trials (row ids) do not start: on the
+        study row and on those of `queued` that are still QUEUED. Retried; fenced.
 
-        def write() -> None:
-            with session_scope(self.sessions) as s:
-                check_fence(s, self.fence)
-                s.execute(update(Study).where(Study.id == study_id).values(waiting_reason=reason))
-                s.execute(
-                    update(Trial)
-                    .where(Trial.id.in_(queued), Trial.state == TrialState.QUEUED)
-                    .values(waiting_reason=reason)
-                )
+        Raises:
+            Superseded: The fence is stale; nothing changed.
+            DatabaseUnavailable: The database stayed away for the outage window.
+        """
 
-        with_retry(write, "waiting reason")
+        def write(s: Session) -> None:
+            s.execute(update(Study).where(Study.id == study_id).values(waiting_reason=reason))
+            s.execute(
+                update(Trial)
+                .where(Trial.id.in_(queued), Trial.state == TrialState.QUEUED)
+                .values(waiting_reason=reason)
+            )
+
+        self._tx(write, "waiting reason")

@@ -31,7 +31,7 @@ from service.read.plots.common import (
     field_value,
 )
 from service.read.plots.pareto import pareto_front
-from service.store.models import Study
+from service.store import Study
 
 __all__ = [
     "COLLAPSE_CLASSES",

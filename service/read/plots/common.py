@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 
-from service.store.models import SUMMARY_COLUMNS, Study, Trial, TrialState
+from service.store import SUMMARY_COLUMNS, Study, Trial, TrialState
 from workers.metric_names import FLAG_SUMMARIES, NUMERIC_SUMMARIES, series_by_index
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from service.read.plots.common import (
     PlotError,
     PlotOptions,
 )
-from service.store.models import Study
+from service.store import Study
 
 __all__ = ["KIND", "data", "draw"]
 

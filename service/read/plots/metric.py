@@ -23,7 +23,7 @@ from service.read.plots.common import (
     finite,
     objectives_of,
 )
-from service.store.models import NO_INDEX, Metric, Study, Trial, TrialState
+from service.store import NO_INDEX, Metric, Study, Trial, TrialState
 
 __all__ = ["KIND", "data", "draw", "default_metric_trials"]
 

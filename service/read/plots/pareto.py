@@ -17,7 +17,7 @@ from service.read.plots.common import (
     trial_rows,
     values_of,
 )
-from service.store.models import Study, TrialState
+from service.store import Study, TrialState
 
 __all__ = ["KIND", "data", "draw", "pareto_front"]
 

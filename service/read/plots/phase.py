@@ -24,7 +24,7 @@ from service.read.plots.common import (
     set_axis,
     trial_rows,
 )
-from service.store.models import Study
+from service.store import Study
 
 __all__ = ["KIND", "data", "draw"]
 
