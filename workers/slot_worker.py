@@ -137,8 +137,10 @@ class SlotWorker:
 
     def _start_engine(self, config: TrialConfig) -> None:
         # torch is imported by the worker process only, never by the runner
-        from workers.engine import Engine, PlainRunner, autocast_for, resolve_device
+        from workers.engine import Engine
         from workers.fused import FusedRunner
+        from workers.member import autocast_for, resolve_device
+        from workers.runners import PlainRunner
 
         self.device = resolve_device(config)
         ctx = autocast_for(config, self.device)
@@ -164,7 +166,7 @@ class SlotWorker:
                 self._end(Failed(self.worker, item.trial, _reason(e)))
 
     def _admit(self, item: Assignment) -> None:
-        from workers.engine import new_member
+        from workers.member import new_member
 
         config = TrialConfig.model_validate(item.config)
         if self.engine is None:
