@@ -105,7 +105,8 @@ class _BatchedOptimizer:
         self.name = configs[0].optim.name
         self.params = params
         self.lr = _hyper([c.optim.lr for c in configs], dev)
-        # torch's AdamW form (decay lr * wd): independent decay is wd / lr there (config.py)
+        # torch's AdamW form (decay lr * wd): independent decay is wd / lr there
+        # (OptimConfig.torch_weight_decay, config_sections.py)
         self.wd = _hyper([c.optim.torch_weight_decay for c in configs], dev)
         self.beta1 = _hyper([c.optim.beta1 for c in configs], dev)
         self.beta2 = _hyper([c.optim.beta2 for c in configs], dev)

@@ -99,7 +99,7 @@ def make_optimizer(config: TrialConfig, model: GPT) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         model.parameters(),
         lr=o.lr,
-        weight_decay=o.torch_weight_decay,  # independent decay: wd / lr (config.py)
+        weight_decay=o.torch_weight_decay,  # independent decay: wd / lr (config_sections.py)
         betas=(o.beta1, o.beta2),
         fused=True if cuda else None,
         foreach=None if cuda else True,
