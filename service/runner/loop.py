@@ -156,7 +156,7 @@ class StudyRunner:
                 )
             else:
                 log.warning("%s ended: %s", e.name, e.error)
-            for rec, reason in self.scheduler.worker_ended(e.name, e.error):
+            for rec, reason in self.scheduler.worker_ended(e.name, e.error, e.out_of_memory):
                 self._fail(rec, reason)
         self._record_finished()
         self.waiting.check(self.scheduler.queued_rows())
