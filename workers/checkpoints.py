@@ -1,8 +1,8 @@
 """A trial's checkpoint directory: whose it is, and whether the trial has stopped; torch-free.
 
 The directory (`TrialConfig.checkpoint.dir`) holds the trial's weights (`checkpoint.pt`, written
-by workers/engine.py), its report journal (`reports.jsonl`, workers/inbox.py) and two small
-files kept here:
+by workers/member.py through `durable_write`, below), its report journal (`reports.jsonl`,
+workers/inbox.py) and two small files kept here:
 
 - `owner`: who the directory belongs to (`CheckpointConfig.owner`, e.g. a study's unique id
   and the trial number). A directory found with another owner is an old run's (a database
@@ -19,13 +19,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 __all__ = [
     "OWNER_FILE",
     "STOPPED_FILE",
     "claim_dir",
+    "durable_write",
     "fsync_dir",
     "read_stopped",
     "remove_stray_tmp",
@@ -54,14 +56,25 @@ def remove_stray_tmp(directory: Path) -> None:
             stray.unlink(missing_ok=True)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write, fsync and rename, then fsync the directory: a crash leaves the old file or the
-    new one, never half; a failed write removes its temporary file and raises."""
+def durable_write(
+    path: Path,
+    write: Callable[[IO[Any]], object],
+    *,
+    binary: bool = False,
+    tmp: Path | None = None,
+) -> None:
+    """Write `path` atomically and durably: `write` fills a temporary file (`tmp`, by default
+    `<name>.tmp` beside it; opened in binary mode with `binary`), which is flushed, fsynced
+    and renamed over `path`, then the directory is fsynced. A crash or a power loss leaves the
+    old file or the new one, whole (without the fsyncs the rename can reach the disk before
+    the data: an empty or partial file after a power loss). A failed write (a full disk, or
+    whatever `write` raises) removes the temporary file and raises; one left by a kill
+    mid-write is removed when the directory is next claimed (`claim_dir`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + ".tmp") if tmp is None else tmp
     try:
-        with tmp.open("w") as f:
-            f.write(text)
+        with tmp.open("wb" if binary else "w") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -69,6 +82,10 @@ def _atomic_write(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def _write_text(path: Path, text: str) -> None:
+    durable_write(path, lambda f: f.write(text))
 
 
 def claim_dir(directory: str | Path | None, owner: str | None) -> bool:
@@ -86,14 +103,14 @@ def claim_dir(directory: str | Path | None, owner: str | None) -> bool:
     wiped = d.exists() and any(d.iterdir())
     if wiped:
         shutil.rmtree(d)
-    _atomic_write(marker, owner)
+    _write_text(marker, owner)
     return wiped
 
 
 def write_stopped(directory: str | Path | None, record: dict[str, Any]) -> None:
     """Record that the trial stopped (status, step, summary): durable before this returns."""
     if directory is not None:
-        _atomic_write(Path(directory) / STOPPED_FILE, json.dumps(record))
+        _write_text(Path(directory) / STOPPED_FILE, json.dumps(record))
 
 
 def read_stopped(directory: str | Path | None) -> dict[str, Any] | None:

@@ -35,8 +35,7 @@ import torch
 from torch import Tensor
 
 from workers.config import RegularizerKind, TrialConfig, TrialSummary
-from workers.engine import Engine, Member, Reporter, StepOut, autocast_for, new_member
-from workers.engine import resolve_device as resolve_device
+from workers.engine import Engine
 from workers.fused_model import FusedGPT
 from workers.fusion_plan import (
     FusionError,
@@ -44,6 +43,9 @@ from workers.fusion_plan import (
     fusion_key,
     group_by_key,
 )
+from workers.member import Member, Reporter, autocast_for, new_member
+from workers.member import resolve_device as resolve_device
+from workers.runners import StepOut
 from workers.stopping import StopRule
 
 __all__ = [
@@ -103,7 +105,8 @@ class _BatchedOptimizer:
         self.name = configs[0].optim.name
         self.params = params
         self.lr = _hyper([c.optim.lr for c in configs], dev)
-        # torch's AdamW form (decay lr * wd): independent decay is wd / lr there (config.py)
+        # torch's AdamW form (decay lr * wd): independent decay is wd / lr there
+        # (OptimConfig.torch_weight_decay, config_sections.py)
         self.wd = _hyper([c.optim.torch_weight_decay for c in configs], dev)
         self.beta1 = _hyper([c.optim.beta1 for c in configs], dev)
         self.beta2 = _hyper([c.optim.beta2 for c in configs], dev)

@@ -9,19 +9,19 @@ A worker sends, through the runner's `TrialInbox` (workers/inbox.py):
   `HandedBack` (untrained here: no slot fitted it, or the device ran out of memory) or
   `Failed` (this member cannot be trained, with the reason);
 
-and returns `WorkerDone` when its task ends. The runner assigns trials as `Assignment`s.
-Every end names the worker that sent it: the runner acts on an end only if that worker
-still holds the trial. Frozen dataclasses with slots: they pickle small and fast (faster
-than pydantic models, no dependency beyond the standard library), and mypy checks every
-field where a tuple or dict read by string keys would not be checked at all.
+and returns `WorkerDone` when its task ends, or raises `WorkerOutOfMemory` when it ran out
+of memory where it could not hand its members back itself. The runner assigns trials as
+`Assignment`s. Every end names the worker that sent it: the runner acts on an end only if
+that worker still holds the trial. Frozen dataclasses with slots: they pickle small and fast
+(faster than pydantic models, no dependency beyond the standard library), and mypy checks
+every field where a tuple or dict read by string keys would not be checked at all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from workers.config import TrialSummary
+from workers.config import TrialConfig, TrialSummary
 from workers.stopping import StopRule
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "Started",
     "Stopped",
     "WorkerDone",
+    "WorkerOutOfMemory",
 ]
 
 # (name, layer, head, value): one reported number; layer/head None where it has none.
@@ -43,13 +44,15 @@ Point = tuple[str, int | None, int | None, float]
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """A trial the runner gives a worker: its number, its full config (JSON) and the rules
-    that stop it once it can no longer meet the study's constraints; `objective`: the
-    summary metric whose intermediate value each report carries (the study's pruned
-    objective; None without a pruner)."""
+    """A trial the runner gives a worker: its number, its full config and the rules that
+    stop it once it can no longer meet the study's constraints; `objective`: the summary
+    metric whose intermediate value each report carries (the study's pruned objective; None
+    without a pruner). The config is the runner's own validated `TrialConfig` (a trial whose
+    parameters give no valid config fails in the runner and is never assigned); it crosses
+    Ray pickled, like `Stopped.summary`, and the worker trains it as it comes."""
 
     trial: int
-    config: dict[str, Any]
+    config: TrialConfig
     stop_rules: tuple[StopRule, ...] = ()
     objective: str | None = None
 
@@ -110,6 +113,14 @@ class Failed:
 
 
 End = Stopped | HandedBack | Failed
+
+
+class WorkerOutOfMemory(Exception):
+    """What a slot worker's task raises when its process ran out of memory (device or host)
+    outside an admission or a step, where it hands its members back itself (`HandedBack`).
+    The runner tells it by its type (the `cause` of Ray's `RayTaskError`), as it tells Ray's
+    own `OutOfMemoryError` (the memory monitor killed the task): either way the worker's key
+    gets one slot fewer (service/runner/pool.py, `out_of_memory`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -326,7 +326,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def _rescale_for_token_scale(self) -> None:
-        """`init_scheme: token_scale` (workers/config.py): rescale the GPT draws, drawing
+        """`init_scheme: token_scale` (workers/config_sections.py): rescale the GPT draws, drawing
         nothing more, so the default init stays bit-identical and the RNG stream unchanged."""
         for emb in (self.tok_emb, self.pos_emb):  # the tied head scales with tok_emb
             if emb is not None:  # no learned positions under rotary

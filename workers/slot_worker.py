@@ -13,7 +13,9 @@ read or written (a corrupt file, a full disk), its journal or stop record failin
 in the worker) an error in a step fails that member with its reason, and the worker goes on.
 An out-of-memory (device or host) with several members hands them all back (each resumes
 from its own checkpoint, in a worker with one slot fewer); alone, it fails the member. A
-worker the host's memory monitor kills is shrunk by the runner the same way.
+worker the host's memory monitor kills, or one that runs out of memory elsewhere (its task
+then ends as `WorkerOutOfMemory`), is shrunk by the runner the same way, told by the
+error's type.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from workers.messages import (
     Started,
     Stopped,
     WorkerDone,
+    WorkerOutOfMemory,
 )
 
 __all__ = ["SlotWorker", "check_gpus", "run_slot_worker_task"]
@@ -137,8 +140,10 @@ class SlotWorker:
 
     def _start_engine(self, config: TrialConfig) -> None:
         # torch is imported by the worker process only, never by the runner
-        from workers.engine import Engine, PlainRunner, autocast_for, resolve_device
+        from workers.engine import Engine
         from workers.fused import FusedRunner
+        from workers.member import autocast_for, resolve_device
+        from workers.runners import PlainRunner
 
         self.device = resolve_device(config)
         ctx = autocast_for(config, self.device)
@@ -164,9 +169,9 @@ class SlotWorker:
                 self._end(Failed(self.worker, item.trial, _reason(e)))
 
     def _admit(self, item: Assignment) -> None:
-        from workers.engine import new_member
+        from workers.member import new_member
 
-        config = TrialConfig.model_validate(item.config)
+        config = item.config
         if self.engine is None:
             self._start_engine(config)
         execution = secrets.token_hex(6)
@@ -293,12 +298,17 @@ class SlotWorker:
     def run_settled(self, first: list[Assignment]) -> WorkerDone:
         """`run`, and on an error too, the task ends only after the inbox holds every message
         sent before it: the runner handles a worker's end after its last message, so a member
-        that stopped before the error is recorded, never relaunched or failed."""
+        that stopped before the error is recorded, never relaunched or failed. An
+        out-of-memory that reaches here (outside an admission or a step, which hand the
+        members back themselves) ends the task as `WorkerOutOfMemory`, the type the runner
+        shrinks the worker's key on."""
         try:
             return self.run(first)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(Exception):  # the inbox may be what failed
                 self._settle()
+            if _is_oom(e) and not isinstance(e, WorkerOutOfMemory):
+                raise WorkerOutOfMemory(_reason(e)) from e
             raise
 
 

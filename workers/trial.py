@@ -35,18 +35,17 @@ from workers.config import (
     TrialConfig,
     TrialSummary,
 )
-from workers.engine import (
-    NAN_CHECK_EVERY,
-    Engine,
+from workers.engine import NAN_CHECK_EVERY, Engine
+from workers.evaluation import probe_metrics
+from workers.member import (
     NullReporter,
-    PlainRunner,
     Reporter,
     autocast_for,
     build_model,
     new_member,
     resolve_device,
 )
-from workers.evaluation import probe_metrics
+from workers.runners import PlainRunner
 from workers.stopping import StopRule
 
 __all__ = [

@@ -28,10 +28,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from service.spec import MAX_FUSE, StudySpec
 from workers.inbox import MAX_MESSAGES, STREAM_AHEAD, TrialInboxActor, max_concurrency
-from workers.messages import Assignment, Batch, WorkerDone
+from workers.messages import Assignment, Batch, WorkerDone, WorkerOutOfMemory
 from workers.slot_worker import run_slot_worker_task
 
-__all__ = ["FENCE_TIMEOUT_S", "Ended", "RayPool"]
+__all__ = ["FENCE_TIMEOUT_S", "Ended", "RayPool", "out_of_memory"]
 
 log = logging.getLogger("qkscope.runner")
 _worker_task = ray.remote(run_slot_worker_task)
@@ -40,11 +40,24 @@ FENCE_TIMEOUT_S = 60.0  # a stream that lags a worker's end longer than this is 
 
 @dataclass(frozen=True, slots=True)
 class Ended:
-    """A worker whose task ended: what it returned, or the error that ended it."""
+    """A worker whose task ended: what it returned, or the error that ended it;
+    `out_of_memory`: that error was a lack of memory (`out_of_memory`)."""
 
     name: str
     done: WorkerDone | None
     error: str | None
+    out_of_memory: bool = False
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a worker's task ended for lack of memory, by the error's type: Ray's memory
+    monitor killed it (`ray.exceptions.OutOfMemoryError`), or the worker ran out of memory
+    where it could not hand its members back itself (`WorkerOutOfMemory`, the cause of the
+    `RayTaskError` that `ray.get` raises)."""
+    if isinstance(error, ray.exceptions.OutOfMemoryError):
+        return True
+    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+    return isinstance(cause, WorkerOutOfMemory)
 
 
 @dataclass(slots=True)
@@ -166,7 +179,7 @@ class RayPool:
         try:
             return Ended(name, ray.get(ref), None)
         except Exception as e:
-            return Ended(name, None, f"{type(e).__name__}: {str(e)[-2000:]}")
+            return Ended(name, None, f"{type(e).__name__}: {str(e)[-2000:]}", out_of_memory(e))
 
     # ---- the end ---------------------------------------------------------------------------
 

@@ -37,12 +37,14 @@ FLUSH_TIMEOUT_S = 60.0  # a finished trial waits at most this long for its last 
 
 class WorkerEnd(Protocol):
     """A slot worker's task ended (service/runner/pool.py: `Ended`); `error` is None when
-    it ended on its own."""
+    it ended on its own; `out_of_memory`: the error was a lack of memory (by its type)."""
 
     @property
     def name(self) -> str: ...
     @property
     def error(self) -> str | None: ...
+    @property
+    def out_of_memory(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -174,8 +176,7 @@ class Scheduler:
         for rec in list(self.waiting):
             assert rec.config is not None
             key, slots = rec.key, rec.slots
-            config = rec.config.model_dump(mode="json", by_alias=True)
-            item = Assignment(rec.number, config, rec.stop_rules, pruned_objective(self.spec))
+            item = Assignment(rec.number, rec.config, rec.stop_rules, pruned_objective(self.spec))
             worker = next(
                 (
                     w
@@ -255,16 +256,20 @@ class Scheduler:
         assert isinstance(msg, Failed)
         return rec
 
-    def worker_ended(self, name: str, error: str | None) -> list[tuple[TrialRecord, str]]:
+    def worker_ended(
+        self, name: str, error: str | None, out_of_memory: bool = False
+    ) -> list[tuple[TrialRecord, str]]:
         """A worker's task ended (every message it sent has been handed here). Members it
         still held wait for a slot again (each resumes from its checkpoint), except those
         lost with workers more than `max_retries` times (started or not: a worker that dies
         before it starts anything, e.g. on a node without the GPU it was given, must not
-        relaunch its trials for ever): returned with the reason, to fail."""
+        relaunch its trials for ever): returned with the reason, to fail. `out_of_memory`:
+        the error was a lack of memory (service/runner/pool.py, `out_of_memory`)."""
         worker = self.workers.pop(name)
-        if error is not None and "OutOfMemoryError" in error and len(worker.members) > 1:
-            # killed by the host's memory monitor with several members: its key gets fewer
-            # slots, as a worker that ran out of memory itself would have handed them back
+        if out_of_memory and len(worker.members) > 1:
+            # killed by the host's memory monitor (or out of memory where the worker could not
+            # hand its members back) with several members: its key gets fewer slots, as a
+            # worker that ran out of memory in a step would have handed them back
             self._fits(worker.key, len(worker.members) - 1)
         give_up: list[tuple[TrialRecord, str]] = []
         reason = error or "its worker ended without finishing it"
@@ -299,7 +304,7 @@ class Scheduler:
             if rec is not None and isinstance(end, Failed):
                 out.failed.append((rec, end.reason))
         for e in ended:
-            out.failed += self.worker_ended(e.name, e.error)
+            out.failed += self.worker_ended(e.name, e.error, e.out_of_memory)
         now = time.monotonic()
         for rec in self.finishing():
             late = now - rec.finishing_since >= FLUSH_TIMEOUT_S

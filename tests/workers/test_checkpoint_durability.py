@@ -1,4 +1,4 @@
-"""Checkpoint writes (workers/engine.py `_save_checkpoint`, workers/checkpoints.py) through
+"""Checkpoint writes (workers/member.py `save_checkpoint`, workers/checkpoints.py) through
 real trial processes and real torch: the data is fsynced before the rename and the directory
 after it (seen with strace), a failed write (a file-size limit: what a full disk does) leaves
 no `checkpoint.tmp`, and one left by a process killed mid-write is gone once the directory is

@@ -36,9 +36,7 @@ def test_slot_worker_on_a_gpu_node_without_cuda_fails_loudly() -> None:
     ray.init(address="local", num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         inbox = TrialInboxActor.remote()  # type: ignore[attr-defined]
-        config = TrialConfig.model_validate({"steps": 2, "eval_every": 1}).model_dump(
-            mode="json", by_alias=True
-        )
+        config = TrialConfig.model_validate({"steps": 2, "eval_every": 1})
         task = ray.remote(run_slot_worker_task).options(num_gpus=1, num_cpus=1, max_retries=0)
         with pytest.raises(ray.exceptions.RayTaskError, match="CUDA is not available"):
             ray.get(task.remote("w", 1, [Assignment(0, config)], inbox), timeout=120)

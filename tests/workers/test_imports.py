@@ -32,6 +32,7 @@ def _torch_loaded_after(module: str) -> bool:
     "module",
     [
         "workers.config",
+        "workers.config_sections",
         "workers.curves",
         "workers.fusion_plan",
         "service.spec",

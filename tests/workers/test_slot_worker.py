@@ -73,12 +73,7 @@ def test_out_of_memory_hands_every_member_back_with_one_slot_fewer(tmp_path: Any
     try:
         inbox = TrialInboxActor.remote()  # type: ignore[attr-defined]
         items = [
-            Assignment(
-                s,
-                tiny(seed=s, checkpoint={"dir": str(tmp_path / f"t{s}")}).model_dump(
-                    mode="json", by_alias=True
-                ),
-            )
+            Assignment(s, tiny(seed=s, checkpoint={"dir": str(tmp_path / f"t{s}")}))
             for s in range(3)
         ]
         worker = SlotWorker("w", 3, inbox)
@@ -131,8 +126,7 @@ def test_out_of_memory_in_the_loop_hands_back_and_alone_fails(
         inbox = TrialInboxActor.remote()  # type: ignore[attr-defined]
 
         def item(s: int) -> Assignment:
-            cfg = tiny(seed=s, checkpoint={"dir": str(tmp_path / f"t{s}")})
-            return Assignment(s, cfg.model_dump(mode="json", by_alias=True))
+            return Assignment(s, tiny(seed=s, checkpoint={"dir": str(tmp_path / f"t{s}")}))
 
         out = SlotWorker("w2", 2, inbox).run([item(0), item(1)])
         assert out.members == 2

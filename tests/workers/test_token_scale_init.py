@@ -1,4 +1,4 @@
-"""`model.init_scheme: token_scale` (workers/config.py): the init of Dong et al.'s own network.
+"""`model.init_scheme: token_scale` (workers/config_sections.py): the init of Dong et al.'s own network.
 
 Dong et al.'s theorem is about pure self-attention with no LayerNorm. At GPT init (std 0.02
 everywhere) such a network shrinks its tokens by ~0.013 a layer, so from the second layer on

@@ -199,10 +199,39 @@ def test_a_worker_the_memory_monitor_killed_is_replaced_by_a_smaller_one() -> No
         sched.add(r)
     sched.schedule()
     error = "OutOfMemoryError: Task was killed due to the node running low on memory."
-    assert sched.worker_ended("study-3/worker-0", error) == []
+    assert sched.worker_ended("study-3/worker-0", error, out_of_memory=True) == []
     sched.schedule()
     assert ("start", "study-3/worker-1x2", [0]) in pool.calls
     assert [r.status for r in recs] == [Status.PLACED, Status.PLACED, Status.ASKED]
+
+
+def test_an_error_that_only_names_memory_does_not_shrink_the_worker() -> None:
+    """The type of the error decides (service/runner/pool.py, `out_of_memory`), not its text:
+    an error whose message merely mentions OutOfMemoryError relaunches the members in a
+    worker of the same size."""
+    sched, pool, study = _scheduler(fuse=4, parallelism=1, max_retries=3)
+    recs = [_record(study) for _ in range(3)]
+    for r in recs:
+        sched.add(r)
+    sched.schedule()
+    error = "RayTaskError(RuntimeError): a log line that says OutOfMemoryError"
+    assert sched.worker_ended("study-3/worker-0", error) == []
+    sched.schedule()
+    assert ("start", "study-3/worker-1x4", [0]) in pool.calls
+    assert [r.status for r in recs] == [Status.PLACED] * 3  # all three in the new worker
+
+
+def test_an_assignment_carries_the_runners_validated_config() -> None:
+    """The worker trains the runner's `TrialConfig` as it comes (workers/messages.py,
+    `Assignment`): the object itself, not a JSON copy to validate again."""
+    sched, pool, study = _scheduler(fuse=2, parallelism=1)
+    given: list[Assignment] = []
+    pool.start = lambda name, capacity, first: given.extend(first)  # type: ignore[method-assign]
+    rec = _record(study)
+    sched.add(rec)
+    sched.schedule()
+    assert [a.trial for a in given] == [rec.number]
+    assert isinstance(given[0].config, TrialConfig) and given[0].config is rec.config
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,196 @@
+"""The language-modelling task (`lm`): next-token prediction on ``<data_dir>/<split>.txt``
+files (e.g. WikiText-2), word or character level, the vocabulary from the training split only
+(workers/tasks.py describes what every task guarantees)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from workers.config_sections import TaskConfig
+from workers.tasks_base import check_batch_args
+
+__all__ = ["EOS_TOKEN", "MAX_VALID_BATCHES", "UNK_TOKEN", "LMTask", "clear_corpus_cache"]
+
+UNK_TOKEN = "<unk>"
+"""Language-modelling token for anything outside the vocabulary; always id 0."""
+
+EOS_TOKEN = "<eos>"
+"""Word-level token appended at the end of every line of text."""
+
+MAX_VALID_BATCHES = 64
+"""Upper bound on the number of language-modelling validation batches, to bound eval cost."""
+
+
+@dataclass(frozen=True)
+class _Corpus:
+    """A tokenized, encoded train/valid pair; shared between tasks via the module cache."""
+
+    vocab: tuple[str, ...]
+    train_ids: Tensor
+    valid_ids: Tensor
+
+
+_CorpusKey = tuple[str, str, str, str, int, int | None, tuple[tuple[int, int], ...]]
+_CORPUS_CACHE: dict[_CorpusKey, _Corpus] = {}
+_CORPUS_LOCK = threading.Lock()
+
+
+def clear_corpus_cache() -> None:
+    """Drop every cached corpus (frees memory; the next ``lm`` task re-reads its files)."""
+    with _CORPUS_LOCK:
+        _CORPUS_CACHE.clear()
+
+
+def _tokenize(text: str, tokenizer: Literal["word", "char"], limit: int | None) -> list[str]:
+    """Split ``text`` into tokens, stopping once ``limit`` tokens (if given) are collected.
+
+    Word level: whitespace-separated words, with :data:`EOS_TOKEN` after every line (a final
+    line without a trailing newline still gets one). Char level: every character, newlines
+    included.
+    """
+    if tokenizer == "char":
+        chars = list(text)
+        return chars if limit is None else chars[:limit]
+    lines = text.split("\n")
+    if text.endswith("\n") or text == "":
+        lines.pop()  # the empty string after the final newline is not a line
+    tokens: list[str] = []
+    for line in lines:
+        tokens.extend(line.split())
+        tokens.append(EOS_TOKEN)
+        if limit is not None and len(tokens) >= limit:
+            break
+    return tokens if limit is None else tokens[:limit]
+
+
+def _build_vocab(tokens: list[str], cap: int) -> tuple[str, ...]:
+    """``<unk>`` at id 0, then the ``cap`` most frequent tokens (ties: by token string).
+
+    A literal ``<unk>`` in the text (WikiText has many) is the same token as the fallback, so
+    it is not counted as a separate vocabulary entry.
+    """
+    counts = Counter(tokens)
+    counts.pop(UNK_TOKEN, None)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:cap]
+    return (UNK_TOKEN, *(tok for tok, _ in ranked))
+
+
+def _encode(tokens: list[str], stoi: dict[str, int]) -> Tensor:
+    """Map tokens to a 1-D int64 id tensor; unknown tokens become id 0 (``<unk>``)."""
+    return torch.tensor([stoi.get(tok, 0) for tok in tokens], dtype=torch.int64)
+
+
+def _read_split(path: Path) -> str:
+    """Read one split as UTF-8 text, with a clear error naming a missing file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"lm data file not found: {path}")
+    return path.read_text(encoding="utf-8")
+
+
+def _load_corpus(config: TaskConfig) -> _Corpus:
+    """Load, tokenize and encode the train/valid splits, memoized per process.
+
+    The cache key includes each file's modification time and size so an edited file is not
+    served stale from the cache.
+    """
+    assert config.data_dir is not None  # guaranteed by TaskConfig validation
+    data_dir = Path(config.data_dir).expanduser().resolve()
+    train_path = data_dir / f"{config.train_split}.txt"
+    valid_path = data_dir / f"{config.valid_split}.txt"
+    stats: list[tuple[int, int]] = []
+    for path in (train_path, valid_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"lm data file not found: {path}")
+        st = path.stat()
+        stats.append((st.st_mtime_ns, st.st_size))
+    key: _CorpusKey = (
+        str(data_dir),
+        config.train_split,
+        config.valid_split,
+        config.tokenizer,
+        config.vocab_cap,
+        config.max_train_tokens,
+        tuple(stats),
+    )
+    with _CORPUS_LOCK:
+        cached = _CORPUS_CACHE.get(key)
+        if cached is not None:
+            return cached
+        train_tokens = _tokenize(_read_split(train_path), config.tokenizer, config.max_train_tokens)
+        valid_tokens = _tokenize(_read_split(valid_path), config.tokenizer, None)
+        vocab = _build_vocab(train_tokens, config.vocab_cap)
+        stoi = {tok: i for i, tok in enumerate(vocab)}
+        corpus = _Corpus(
+            vocab=vocab,
+            train_ids=_encode(train_tokens, stoi),
+            valid_ids=_encode(valid_tokens, stoi),
+        )
+        _CORPUS_CACHE[key] = corpus
+        return corpus
+
+
+class LMTask:
+    """Next-token prediction on a text corpus.
+
+    Training windows start at uniformly random offsets of the training split; validation is
+    the leading consecutive non-overlapping windows of the validation split, at most
+    :data:`MAX_VALID_BATCHES` batches (the last batch may be smaller than ``batch_size``).
+    """
+
+    def __init__(self, config: TaskConfig) -> None:
+        """Load (or fetch from the cache) the corpus named by ``config``."""
+        corpus = _load_corpus(config)
+        self.seq_len: int = config.seq_len
+        self.vocab: tuple[str, ...] = corpus.vocab
+        self.vocab_size: int = len(corpus.vocab)
+        self.known_optimum: float | None = None
+        self.train_ids: Tensor = corpus.train_ids
+        self.valid_ids: Tensor = corpus.valid_ids
+        for split, ids in (
+            (config.train_split, self.train_ids),
+            (config.valid_split, self.valid_ids),
+        ):
+            if ids.numel() < self.seq_len + 1:
+                raise ValueError(
+                    f"split {split!r} has {ids.numel()} tokens, fewer than seq_len + 1 = "
+                    f"{self.seq_len + 1}"
+                )
+        self._offsets = torch.arange(self.seq_len + 1, dtype=torch.int64)
+        self._valid_cache: dict[int, list[tuple[Tensor, Tensor]]] = {}
+
+    def attention_targets(self, x: Tensor) -> Tensor | None:
+        """Language modelling has no answer key."""
+        return None
+
+    def _windows(self, ids: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+        """Gather ``ids[s : s + T + 1]`` for each start and split it into inputs and targets."""
+        w = ids[starts[:, None] + self._offsets[None, :]]
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def train_batch(self, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Random windows of the training split: ``y`` is ``x`` shifted by one token."""
+        check_batch_args(batch_size, generator)
+        high = self.train_ids.numel() - self.seq_len  # last valid start is n - T - 1
+        starts = torch.randint(0, high, (batch_size,), generator=generator, dtype=torch.int64)
+        return self._windows(self.train_ids, starts)
+
+    def valid_batches(self, batch_size: int) -> list[tuple[Tensor, Tensor]]:
+        """Consecutive non-overlapping windows from the start of the validation split."""
+        check_batch_args(batch_size)
+        cached = self._valid_cache.get(batch_size)
+        if cached is None:
+            n_windows = (self.valid_ids.numel() - 1) // self.seq_len
+            n_windows = min(n_windows, MAX_VALID_BATCHES * batch_size)
+            starts = torch.arange(n_windows, dtype=torch.int64) * self.seq_len
+            cached = [
+                self._windows(self.valid_ids, chunk) for chunk in torch.split(starts, batch_size)
+            ]
+            self._valid_cache[batch_size] = cached
+        return list(cached)
