@@ -61,7 +61,7 @@ def test_fraction_of_steps_is_a_fraction_of_the_trials_own_steps(runner: StudyRu
     # what the runner records and tells: 80 plateau steps of 200 meet "at most half"
     plateau = 80
     summary = TrialSummary(status="completed", steps_done=TRIAL_STEPS, plateau_steps=plateau)
-    judged = judge(runner.spec, summary, lambda: None, None, rec.config.steps)
+    judged = judge(runner.spec, summary, lambda: None, rec.config.steps)
     assert judged.constraints == [plateau - FRACTION * TRIAL_STEPS] and judged.feasible
     # what a cancel or a give-up tells Optuna for the recorded row
     row = ResultRow(
