@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from service.errors import InvalidField
 from workers.config import TrialConfig, TrialSummary
 from workers.metric_names import INTERMEDIATE_SUMMARIES, OBJECTIVE_SUMMARIES
 
@@ -193,12 +194,7 @@ MAX_FUSE = 64  # one fused process holds at most this many trials
 HISTORY_FREE_SAMPLERS = ("random", "grid")
 
 
-class SpecError(ValueError):
-    """A spec problem, with the dotted field it concerns."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
+SpecError = InvalidField  # a spec problem, with the dotted field it concerns
 
 
 class StudySpec(_Strict):

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel
 
 from service.api.deps import SessionDep
-from service.api.errors import ApiError
-from service.api.schemas import ErrorBody, FieldError
-from service.read.importance import ImportanceCache, ImportanceError, TooFewTrials
+from service.api.errors import ApiError, field_errors
+from service.api.schemas import ErrorBody
+from service.read.importance import ImportanceCache, TooFewTrials
 from service.store.models import Study
 
 __all__ = ["ImportanceOut", "router"]
@@ -63,12 +63,6 @@ def get_importance(
     try:
         cache: ImportanceCache = request.app.state.importance
         result = cache.get(session, study, target, evaluator, direction)
-    except TooFewTrials as e:
-        raise ApiError(
-            409, "too_few_trials", e.message, [FieldError(field=e.field, message=e.message)]
-        ) from None
-    except ImportanceError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
+    except TooFewTrials as e:  # not yet, rather than never: a 409 (any other error is a 422)
+        raise ApiError(409, "too_few_trials", e.message, field_errors([e])) from None
     return ImportanceOut(**result.as_json(study_id))

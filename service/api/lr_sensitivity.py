@@ -11,8 +11,8 @@ from pydantic import BaseModel, Field
 
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
-from service.api.schemas import ErrorBody, FieldError
-from service.read.lr_sensitivity import LrSensitivityError, study_lr_sensitivity
+from service.api.schemas import ErrorBody
+from service.read.lr_sensitivity import study_lr_sensitivity
 from service.store.models import Study
 
 __all__ = ["LrSensitivityOut", "router"]
@@ -97,10 +97,5 @@ def get_lr_sensitivity(
     study = session.get(Study, study_id)
     if study is None:
         raise ApiError(404, "not_found", f"study {study_id} does not exist")
-    try:
-        result = study_lr_sensitivity(session, study, group_by)
-    except LrSensitivityError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
+    result = study_lr_sensitivity(session, study, group_by)  # LrSensitivityError: a 422
     return LrSensitivityOut.model_validate(dataclasses.asdict(result))

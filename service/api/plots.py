@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 
 from service.api.deps import SessionDep
 from service.api.errors import ApiError
-from service.api.schemas import ErrorBody, FieldError
-from service.read.plots import PLOT_KINDS, PlotError, PlotOptions, plot_data, render_png
+from service.api.schemas import ErrorBody
+from service.read.plots import PLOT_KINDS, PlotOptions, plot_data, render_png
 from service.store.models import Study
 
 __all__ = ["PlotKind", "router"]
@@ -107,12 +107,7 @@ def get_plot(
         evaluator=evaluator,
         importance_cache=request.app.state.importance,  # shared with /importance
     )
-    try:
-        data = plot_data(session, study, str(kind), options)
-    except PlotError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
+    data = plot_data(session, study, str(kind), options)  # PlotError: a 422 (api/errors.py)
     session.close()  # give the connection back before the CPU-bound part
     if wants_json(format, accept):
         return JSONResponse(data)

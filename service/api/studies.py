@@ -15,16 +15,17 @@ from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import LauncherDep, SessionDep, SettingsDep, StoreDep
-from service.api.errors import ApiError, validation_errors
+from service.api.errors import ApiError, field_errors, joined, validation_errors
 from service.api.openapi import error, not_found
 from service.api.schemas import FieldError, Page, StudyOut, TrialOut
 from service.config import Settings
 from service.control.cancel import cancel_study
 from service.control.launch import launch_study
 from service.control.ray_cluster import JobLauncher
+from service.errors import InvalidField
 from service.read import queries
 from service.resources import unmet
-from service.spec import SpecError, StudySpec, check_data_dirs, check_limits, parse_spec
+from service.spec import StudySpec, check_data_dirs, check_limits, parse_spec
 from service.store import Store
 from service.store.models import Study, StudyStatus, Trial, TrialState
 from service.store.session import session_scope
@@ -85,10 +86,8 @@ async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
         )
     try:
         return await run_in_threadpool(parse_spec, bytes(body), ctype)  # off the event loop
-    except SpecError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
+    except InvalidField:
+        raise  # a 422 naming the field (service/api/errors.py), not a parse error below
     except ValidationError as e:
         errors = validation_errors(e)
         msg = "; ".join(f"{x.field}: {x.message}" for x in errors)
@@ -169,8 +168,7 @@ def _store_and_launch(
     for the reconciler. Returns the study and whether it was created."""
     path_errors = check_data_dirs(spec, settings.data_dir)
     if path_errors:
-        errors = [FieldError(field=e.field, message=e.message) for e in path_errors]
-        raise ApiError(422, "validation_error", "; ".join(str(e) for e in path_errors), errors)
+        raise ApiError(422, "validation_error", joined(path_errors), field_errors(path_errors))
     limit_errors = check_limits(
         spec,
         max_trials=settings.max_trials,
@@ -180,8 +178,7 @@ def _store_and_launch(
         limits=settings.limits(),
     )
     if limit_errors:
-        errors = [FieldError(field=e.field, message=e.message) for e in limit_errors]
-        raise ApiError(422, "limit_exceeded", "; ".join(str(e) for e in limit_errors), errors)
+        raise ApiError(422, "limit_exceeded", joined(limit_errors), field_errors(limit_errors))
     launcher: JobLauncher | None = state.launcher()  # connects on first use
     if launcher is not None and settings.check_resources:
         nodes = launcher.node_resources()
@@ -299,27 +296,23 @@ def list_trials(
     `sort=params.model.qk_init_std`) and page a study's trials. `penalty_version` is the
     eigenspectrum-penalty definition that trained a trial (docs/metrics.md section 4)."""
     study = _get_study(session, study_id)
-    try:
-        filters = [queries.parse_filter(w) for w in where or []]
-        for f in filters:
-            if f.field.startswith("params."):
-                _check_param_filter(study, f.field, "where")
-        if sort.lstrip("-+").startswith("params."):
-            _check_param_filter(study, sort.lstrip("-+"), "sort")
-        rows, total = queries.list_trials(
-            session,
-            study_id,
-            states=[s.value for s in state or []],
-            penalty_versions=penalty_version,
-            filters=filters,
-            sort=sort,
-            limit=limit,
-            offset=offset,
-        )
-    except queries.QueryError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
+    # A bad `where`/`sort` is a queries.QueryError: a 422 naming it (service/api/errors.py).
+    filters = [queries.parse_filter(w) for w in where or []]
+    for f in filters:
+        if f.field.startswith("params."):
+            _check_param_filter(study, f.field, "where")
+    if sort.lstrip("-+").startswith("params."):
+        _check_param_filter(study, sort.lstrip("-+"), "sort")
+    rows, total = queries.list_trials(
+        session,
+        study_id,
+        states=[s.value for s in state or []],
+        penalty_versions=penalty_version,
+        filters=filters,
+        sort=sort,
+        limit=limit,
+        offset=offset,
+    )
     return Page[TrialOut](
         items=[TrialOut.of(r) for r in rows], total=total, limit=limit, offset=offset
     )
