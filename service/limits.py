@@ -30,7 +30,8 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from service.spec import SpecError, StudySpec
+from service.space import candidate_values, worst_points
+from service.spec_model import SpecError, StudySpec, count_params, vocab_size
 from workers.metric_names import series_by_index
 
 __all__ = [
@@ -135,8 +136,6 @@ def check_grid(spec: StudySpec, limit: int) -> list[SpecError]:
 def _values(spec: StudySpec, path: str, base: Any) -> list[Any]:
     """Every value the study can give `path` (its base value when not searched); numbers
     only where they can be read as numbers (pydantic's lax mode reads "100" as 100)."""
-    from service.space import candidate_values
-
     p = spec.search_space.get(path)
     if p is None:
         return [base]
@@ -247,9 +246,6 @@ def check_checkpoints(spec: StudySpec, limit: int) -> list[SpecError]:
     `checkpoint.every_evals` evaluations, each replacing the last) against `limit`
     (QKSCOPE_MAX_CHECKPOINT_BYTES_PER_TRIAL): a 200M-parameter model checkpointed at every
     evaluation writes 2.4 GB each time. Names `checkpoint.every_evals`."""
-    from service.space import worst_points
-    from service.spec import count_params, vocab_size
-
     evals = evaluations(spec)
     base_every = spec.base.checkpoint.every_evals
     every = max(1, min(_ints(_values(spec, "checkpoint.every_evals", base_every)), default=1))

@@ -1,4 +1,4 @@
-"""Typed dependencies: settings, one database session per request, auth."""
+"""Typed dependencies: settings, one database session per request, auth, the study of a path."""
 
 from __future__ import annotations
 
@@ -7,21 +7,29 @@ import hmac
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Path, Request, status
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.errors import ApiError
 from service.config import Settings
 from service.control.ray_cluster import JobLauncher
-from service.store import Store, session_scope
+from service.store import Store, Study, session_scope
 
 __all__ = [
+    "MAX_ID",
     "LauncherDep",
     "SessionDep",
     "SettingsDep",
     "StoreDep",
+    "StudyDep",
+    "StudyId",
+    "load_study",
     "require_token",
     "token_digest",
 ]
+
+MAX_ID = 2**31 - 1  # PostgreSQL integer
+StudyId = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 
 def token_digest(token: str) -> bytes:
@@ -70,7 +78,24 @@ def require_token(request: Request) -> None:
         )
 
 
+def load_study(session: Session, study_id: int) -> Study:
+    """The study `study_id`, or the API's 404."""
+    row = session.get(Study, study_id)
+    if row is None:
+        raise ApiError(404, "not_found", f"study {study_id} does not exist")
+    return row
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 SessionDep = Annotated[Session, Depends(get_session)]  # read-only: writes go through StoreDep
 StoreDep = Annotated[Store, Depends(get_store)]
 LauncherDep = Annotated[JobLauncher | None, Depends(get_launcher)]
+
+
+def get_study(session: SessionDep, study_id: StudyId) -> Study:
+    return load_study(session, study_id)
+
+
+# The study of the route's `{study_id}`, read with the request's session, or a 404 (before
+# the route's other parameters are checked: a missing study is the first thing to fix).
+StudyDep = Annotated[Study, Depends(get_study)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -10,9 +12,17 @@ from sqlalchemy.exc import DBAPIError, PendingRollbackError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.schemas import ErrorBody, FieldError
+from service.errors import InvalidField
 from service.store import DatabaseUnavailable, database_away
 
-__all__ = ["RETRY_AFTER_S", "ApiError", "install_error_handlers", "validation_errors"]
+__all__ = [
+    "RETRY_AFTER_S",
+    "ApiError",
+    "field_errors",
+    "install_error_handlers",
+    "joined",
+    "validation_errors",
+]
 
 RETRY_AFTER_S = 5  # what a 503 asks a client to wait while the database is away
 
@@ -25,15 +35,23 @@ class ApiError(Exception):
         self.status, self.error, self.message, self.errors = status, error, message, errors or []
 
 
+def field_errors(errors: Iterable[InvalidField]) -> list[FieldError]:
+    """The `errors` list of a body: one entry per bad field."""
+    return [FieldError(field=e.field, message=e.message) for e in errors]
+
+
+def joined(errors: Iterable[InvalidField]) -> str:
+    """The `message` of a body that names several fields."""
+    return "; ".join(str(e) for e in errors)
+
+
 def validation_errors(
     exc: ValidationError | RequestValidationError, prefix: str = ""
 ) -> list[FieldError]:
-    from service.spec import SpecError
-
     out = []
     for e in exc.errors():
         cause = (e.get("ctx") or {}).get("error")
-        if isinstance(cause, SpecError):  # a cross-field check that knows its field
+        if isinstance(cause, InvalidField):  # a cross-field check that knows its field
             out.append(FieldError(field=f"{prefix}{cause.field}", message=cause.message))
             continue
         loc = [str(x) for x in e["loc"] if x not in ("body", "query", "path")]
@@ -56,6 +74,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return _json(exc.status, ErrorBody(error=exc.error, message=exc.message, errors=exc.errors))
+
+    @app.exception_handler(InvalidField)
+    async def _invalid_field(_: Request, exc: InvalidField) -> JSONResponse:
+        """A bad spec field or query parameter, whichever module found it: one 422."""
+        return _json(
+            422,
+            ErrorBody(error="validation_error", message=str(exc), errors=field_errors([exc])),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.deps import SessionDep
+from service.api.deps import SessionDep, StudyDep
 from service.api.errors import ApiError
 from service.api.schemas import ErrorBody, FieldError
 from service.read.export import MEDIA_TYPES, export_stream
-from service.store import Study
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["export"])
-
-MAX_ID = 2**31 - 1  # PostgreSQL integer
-StudyId = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 EXPORT_DOC: dict[int | str, dict[str, Any]] = {
     200: {
@@ -39,7 +35,7 @@ EXPORT_DOC: dict[int | str, dict[str, Any]] = {
 def export_study(
     request: Request,
     session: SessionDep,
-    study_id: StudyId,
+    study: StudyDep,
     format: Literal["csv", "parquet"] = "csv",
     metrics: bool = False,
     table: Literal["trials", "metrics"] | None = None,
@@ -54,8 +50,7 @@ def export_study(
             "table: metrics=true exports both tables as a zip; leave table out, or drop metrics",
             [FieldError(field="table", message="not allowed together with metrics=true")],
         )
-    if session.get(Study, study_id) is None:
-        raise ApiError(404, "not_found", f"study {study_id} does not exist")
+    study_id = study.id
     session.close()
     what: Literal["trials", "metrics", "both"] = "both" if metrics else (table or "trials")
     stream = export_stream(request.app.state.sessions, study_id, format, what)

@@ -5,21 +5,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
-from service.api.deps import SessionDep
-from service.api.errors import ApiError
-from service.api.schemas import ErrorBody, FieldError
-from service.read.importance import ImportanceCache, ImportanceError, TooFewTrials
-from service.store import Study
+from service.api.deps import SessionDep, StudyDep
+from service.api.errors import ApiError, field_errors
+from service.api.schemas import ErrorBody
+from service.read.importance import ImportanceCache, TooFewTrials
 
 __all__ = ["ImportanceOut", "router"]
 
 router = APIRouter(prefix="/v1", tags=["studies"])
-
-MAX_ID = 2**31 - 1  # PostgreSQL integer
-StudyId = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 
 class ImportanceOut(BaseModel):
@@ -46,7 +42,7 @@ class ImportanceOut(BaseModel):
 def get_importance(
     request: Request,
     session: SessionDep,
-    study_id: StudyId,
+    study: StudyDep,
     target: Annotated[str | None, Query(max_length=64)] = None,
     evaluator: Literal["fanova", "ped_anova"] = "fanova",
     direction: Literal["minimize", "maximize"] | None = None,
@@ -57,18 +53,9 @@ def get_importance(
     works while the study runs. `direction` (PED-ANOVA only: which end is "good") defaults to
     the objective's, else minimize. A ranking is cached until another trial of the study
     completes."""
-    study = session.get(Study, study_id)
-    if study is None:
-        raise ApiError(404, "not_found", f"study {study_id} does not exist")
     try:
         cache: ImportanceCache = request.app.state.importance
         result = cache.get(session, study, target, evaluator, direction)
-    except TooFewTrials as e:
-        raise ApiError(
-            409, "too_few_trials", e.message, [FieldError(field=e.field, message=e.message)]
-        ) from None
-    except ImportanceError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
-    return ImportanceOut(**result.as_json(study_id))
+    except TooFewTrials as e:  # not yet, rather than never: a 409 (any other error is a 422)
+        raise ApiError(409, "too_few_trials", e.message, field_errors([e])) from None
+    return ImportanceOut(**result.as_json(study.id))

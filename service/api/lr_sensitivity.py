@@ -6,21 +6,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
-from service.api.deps import SessionDep
-from service.api.errors import ApiError
-from service.api.schemas import ErrorBody, FieldError
-from service.read.lr_sensitivity import LrSensitivityError, study_lr_sensitivity
-from service.store import Study
+from service.api.deps import SessionDep, StudyDep
+from service.api.schemas import ErrorBody
+from service.read.lr_sensitivity import study_lr_sensitivity
 
 __all__ = ["LrSensitivityOut", "router"]
 
 router = APIRouter(prefix="/v1", tags=["studies"])
-
-MAX_ID = 2**31 - 1  # PostgreSQL integer
-StudyId = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 
 class CurvePointOut(BaseModel):
@@ -85,7 +80,7 @@ class LrSensitivityOut(BaseModel):
 )
 def get_lr_sensitivity(
     session: SessionDep,
-    study_id: StudyId,
+    study: StudyDep,
     group_by: Annotated[list[str] | None, Query(max_length=64)] = None,
 ) -> LrSensitivityOut:
     """Learning-rate sensitivity (METRICS.md section 9) of each group of trials that differ
@@ -94,13 +89,5 @@ def get_lr_sensitivity(
     quartiles and range over seeds) and `l_0`. `group_by` (repeatable) names the parameters
     that make the groups; default every searched parameter but optim.lr and seed. A seed
     missing a grid point is left out of the sensitivity and listed with why (`left_out`)."""
-    study = session.get(Study, study_id)
-    if study is None:
-        raise ApiError(404, "not_found", f"study {study_id} does not exist")
-    try:
-        result = study_lr_sensitivity(session, study, group_by)
-    except LrSensitivityError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
+    result = study_lr_sensitivity(session, study, group_by)  # LrSensitivityError: a 422
     return LrSensitivityOut.model_validate(dataclasses.asdict(result))

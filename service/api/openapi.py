@@ -7,11 +7,14 @@ is the same for every route is added here, once, to the finished document:
   body, but this API answers every error with `ErrorBody` (service/api/errors.py), so
   the 422 of every operation refers to `ErrorBody`;
 - 401: with API tokens configured, every operation but the public ones (`/healthz`)
-  answers 401 without a valid bearer token.
+  answers 401 without a valid bearer token;
+- path parameters are listed in the order of the path (FastAPI lists a route's own before
+  those of its dependencies, such as `StudyDep`'s `study_id`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from service.api.schemas import ErrorBody
@@ -47,6 +50,7 @@ def complete_statuses(schema: dict[str, Any], *, auth: bool) -> dict[str, Any]:
             components.setdefault(name, sub)
     for path, ops in schema.get("paths", {}).items():
         for op in ops.values():
+            _path_order(path, op.get("parameters", []))
             responses = op.setdefault("responses", {})
             r422 = responses.get("422")
             if r422 is not None and "HTTPValidationError" in str(r422):
@@ -59,3 +63,15 @@ def complete_statuses(schema: dict[str, Any], *, auth: bool) -> dict[str, Any]:
         components.pop("HTTPValidationError", None)
         components.pop("ValidationError", None)
     return schema
+
+
+def _path_order(path: str, parameters: list[dict[str, Any]]) -> None:
+    """Put the path parameters into the order of `path`, in place (in their own slots)."""
+    names = re.findall(r"{(\w+)", path)
+    slots = [i for i, p in enumerate(parameters) if p.get("in") == "path"]
+    ordered = sorted(
+        (parameters[i] for i in slots),
+        key=lambda p: names.index(p["name"]) if p["name"] in names else len(names),
+    )
+    for i, p in zip(slots, ordered, strict=True):
+        parameters[i] = p

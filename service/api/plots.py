@@ -6,21 +6,17 @@ import enum
 import threading
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from service.api.deps import SessionDep
-from service.api.errors import ApiError
-from service.api.schemas import ErrorBody, FieldError
-from service.read.plots import PLOT_KINDS, PlotError, PlotOptions, plot_data, render_png
-from service.store import Study
+from service.api.deps import MAX_ID, SessionDep, StudyDep
+from service.api.schemas import ErrorBody
+from service.read.plots import PLOT_KINDS, PlotOptions, plot_data, render_png
 
 __all__ = ["PlotKind", "router"]
 
 router = APIRouter(prefix="/v1", tags=["plots"])
 
-MAX_ID = 2**31 - 1  # PostgreSQL integer
-StudyId = Annotated[int, Path(ge=1, le=MAX_ID)]
 Field = Annotated[str | None, Query(max_length=200)]
 Pixels = Annotated[int, Query(ge=200, le=4000)]
 # Rendering is CPU-bound: a few at a time, the rest of the threadpool stays free for queries.
@@ -67,7 +63,7 @@ def wants_json(fmt: str | None, accept: str | None) -> bool:
 def get_plot(
     request: Request,
     session: SessionDep,
-    study_id: StudyId,
+    study: StudyDep,
     kind: PlotKind,
     metric: Annotated[str | None, Query(max_length=64)] = None,
     trials: Annotated[str | None, Query(max_length=400)] = None,
@@ -90,9 +86,6 @@ def get_plot(
     (`x`/`y` name objectives), `history` (`objective=`), `importance` (`target=`,
     `evaluator=`). `format=json` (or `Accept: application/json`) returns the data instead of
     the PNG."""
-    study = session.get(Study, study_id)
-    if study is None:
-        raise ApiError(404, "not_found", f"study {study_id} does not exist")
     options = PlotOptions(
         metric=metric,
         trials=trials,
@@ -107,12 +100,7 @@ def get_plot(
         evaluator=evaluator,
         importance_cache=request.app.state.importance,  # shared with /importance
     )
-    try:
-        data = plot_data(session, study, str(kind), options)
-    except PlotError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
+    data = plot_data(session, study, str(kind), options)  # PlotError: a 422 (api/errors.py)
     session.close()  # give the connection back before the CPU-bound part
     if wants_json(format, accept):
         return JSONResponse(data)
@@ -122,7 +110,7 @@ def get_plot(
         png,
         media_type="image/png",
         headers={
-            "Content-Disposition": f'inline; filename="study-{study_id}-{kind}.png"',
+            "Content-Disposition": f'inline; filename="study-{study.id}-{kind}.png"',
             "Cache-Control": "no-store",
         },
     )

@@ -9,22 +9,31 @@ from typing import Annotated, Any
 import anyio
 import anyio.to_thread
 import yaml
-from fastapi import APIRouter, Header, Path, Query, Request, Response, status
+from fastapi import APIRouter, Header, Query, Request, Response, status
 from pydantic import Field, ValidationError
 from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import LauncherDep, SessionDep, SettingsDep, StoreDep
-from service.api.errors import ApiError, validation_errors
+from service.api.deps import (
+    MAX_ID,
+    LauncherDep,
+    SessionDep,
+    SettingsDep,
+    StoreDep,
+    StudyDep,
+    load_study,
+)
+from service.api.errors import ApiError, field_errors, joined, validation_errors
 from service.api.openapi import error, not_found
 from service.api.schemas import FieldError, Page, StudyOut, TrialOut
 from service.config import Settings
 from service.control.cancel import cancel_study
 from service.control.launch import launch_study
 from service.control.ray_cluster import JobLauncher
+from service.errors import InvalidField
 from service.read import queries
 from service.resources import unmet
-from service.spec import SpecError, StudySpec, check_data_dirs, check_limits, parse_spec
+from service.spec import StudySpec, check_data_dirs, check_limits, parse_spec
 from service.store import Store, Study, StudyStatus, Trial, TrialState, session_scope
 
 __all__ = ["router"]
@@ -32,8 +41,6 @@ __all__ = ["router"]
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["studies"])
 
-MAX_ID = 2**31 - 1  # PostgreSQL integer
-StudyId = Annotated[int, Path(ge=1, le=MAX_ID)]
 Offset = Annotated[int, Query(ge=0, le=MAX_ID)]
 
 SPEC_EXAMPLE = """name: demo
@@ -44,13 +51,6 @@ search_space:
   regularizer.lambda: {type: float, low: 0.0001, high: 1.0, log: true}
 budget: {n_trials: 8}
 """
-
-
-def _get_study(session: SessionDep, study_id: StudyId) -> Study:
-    row = session.get(Study, study_id)
-    if row is None:
-        raise ApiError(404, "not_found", f"study {study_id} does not exist")
-    return row
 
 
 # A body over the limit is still read (and discarded) up to this much more, so that clients
@@ -83,10 +83,8 @@ async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
         )
     try:
         return await run_in_threadpool(parse_spec, bytes(body), ctype)  # off the event loop
-    except SpecError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
+    except InvalidField:
+        raise  # a 422 naming the field (service/api/errors.py), not a parse error below
     except ValidationError as e:
         errors = validation_errors(e)
         msg = "; ".join(f"{x.field}: {x.message}" for x in errors)
@@ -167,8 +165,7 @@ def _store_and_launch(
     for the reconciler. Returns the study and whether it was created."""
     path_errors = check_data_dirs(spec, settings.data_dir)
     if path_errors:
-        errors = [FieldError(field=e.field, message=e.message) for e in path_errors]
-        raise ApiError(422, "validation_error", "; ".join(str(e) for e in path_errors), errors)
+        raise ApiError(422, "validation_error", joined(path_errors), field_errors(path_errors))
     limit_errors = check_limits(
         spec,
         max_trials=settings.max_trials,
@@ -178,8 +175,7 @@ def _store_and_launch(
         limits=settings.limits(),
     )
     if limit_errors:
-        errors = [FieldError(field=e.field, message=e.message) for e in limit_errors]
-        raise ApiError(422, "limit_exceeded", "; ".join(str(e) for e in limit_errors), errors)
+        raise ApiError(422, "limit_exceeded", joined(limit_errors), field_errors(limit_errors))
     launcher: JobLauncher | None = state.launcher()  # connects on first use
     if launcher is not None and settings.check_resources:
         nodes = launcher.node_resources()
@@ -203,7 +199,7 @@ def _store_and_launch(
     elif settings.ray_address:  # the job server did not answer when we last tried
         store.studies.mark_ray_unreachable(settings.ray_address, "no connection", study_id=row.id)
     with session_scope(state.sessions) as session:
-        return StudyOut.of(_get_study(session, row.id)), True
+        return StudyOut.of(load_study(session, row.id)), True
 
 
 @router.get("/studies", response_model=Page[StudyOut])
@@ -231,8 +227,8 @@ def list_studies(
 
 
 @router.get("/studies/{study_id}", response_model=StudyOut, responses=not_found("study"))
-def get_study(session: SessionDep, study_id: StudyId) -> StudyOut:
-    return StudyOut.of(_get_study(session, study_id))
+def get_study(study: StudyDep) -> StudyOut:
+    return StudyOut.of(study)
 
 
 @router.post("/studies/{study_id}/cancel", response_model=StudyOut, responses=not_found("study"))
@@ -241,11 +237,11 @@ def cancel(
     settings: SettingsDep,
     launcher: LauncherDep,
     store: StoreDep,
-    study_id: StudyId,
+    study: StudyDep,
 ) -> StudyOut:
     """Stop the study's Ray job and its trials (in Optuna's storage too); finished studies
     are left as they are."""
-    _get_study(session, study_id)
+    study_id = study.id
     session.close()
     row = cancel_study(store, launcher, study_id, settings.resolved_database_url())
     assert row is not None
@@ -284,7 +280,7 @@ _SORT_DOC = f"params.<path> or one of {_FIELDS}; a leading `-` sorts descending.
 )
 def list_trials(
     session: SessionDep,
-    study_id: StudyId,
+    study: StudyDep,
     state: Annotated[list[TrialState] | None, Query()] = None,
     penalty_version: Annotated[list[Annotated[int, Field(ge=1, le=1000)]] | None, Query()] = None,
     where: Annotated[list[str] | None, Query(max_length=20, description=_WHERE_DOC)] = None,
@@ -296,47 +292,39 @@ def list_trials(
     `where=params.regularizer.lambda<0.1`), sort (`sort=-final_val_loss`,
     `sort=params.model.qk_init_std`) and page a study's trials. `penalty_version` is the
     eigenspectrum-penalty definition that trained a trial (docs/metrics.md section 4)."""
-    study = _get_study(session, study_id)
-    try:
-        filters = [queries.parse_filter(w) for w in where or []]
-        for f in filters:
-            if f.field.startswith("params."):
-                _check_param_filter(study, f.field, "where")
-        if sort.lstrip("-+").startswith("params."):
-            _check_param_filter(study, sort.lstrip("-+"), "sort")
-        rows, total = queries.list_trials(
-            session,
-            study_id,
-            states=[s.value for s in state or []],
-            penalty_versions=penalty_version,
-            filters=filters,
-            sort=sort,
-            limit=limit,
-            offset=offset,
-        )
-    except queries.QueryError as e:
-        raise ApiError(
-            422, "validation_error", str(e), [FieldError(field=e.field, message=e.message)]
-        ) from None
+    # A bad `where`/`sort` is a queries.QueryError: a 422 naming it (service/api/errors.py).
+    filters = [queries.parse_filter(w) for w in where or []]
+    for f in filters:
+        if f.field.startswith("params."):
+            _check_param_filter(study, f.field, "where")
+    if sort.lstrip("-+").startswith("params."):
+        _check_param_filter(study, sort.lstrip("-+"), "sort")
+    rows, total = queries.list_trials(
+        session,
+        study.id,
+        states=[s.value for s in state or []],
+        penalty_versions=penalty_version,
+        filters=filters,
+        sort=sort,
+        limit=limit,
+        offset=offset,
+    )
     return Page[TrialOut](
         items=[TrialOut.of(r) for r in rows], total=total, limit=limit, offset=offset
     )
 
 
 @router.get("/studies/{study_id}/summary", responses=not_found("study"))
-def summary(session: SessionDep, study_id: StudyId) -> dict[str, Any]:
+def summary(session: SessionDep, study: StudyDep) -> dict[str, Any]:
     """Counts by state, collapse rates, best value, progress and ETA."""
-    return queries.study_summary(session, _get_study(session, study_id))
+    return queries.study_summary(session, study)
 
 
 @router.get("/studies/{study_id}/best", response_model=list[TrialOut], responses=not_found("study"))
-def best_trials(
-    session: SessionDep, study_id: StudyId, feasible_only: bool = True
-) -> list[TrialOut]:
+def best_trials(session: SessionDep, study: StudyDep, feasible_only: bool = True) -> list[TrialOut]:
     """The best trial (one objective) or the Pareto front (several), among COMPLETE trials."""
-    study = _get_study(session, study_id)
     directions = [o["direction"] for o in study.spec["objectives"]]
-    q = select(Trial).where(Trial.study_id == study_id, Trial.state == TrialState.COMPLETE)
+    q = select(Trial).where(Trial.study_id == study.id, Trial.state == TrialState.COMPLETE)
     if feasible_only:
         q = q.where(Trial.feasible.is_not(False))
     rows = [r for r in session.scalars(q).all() if r.values and None not in r.values]

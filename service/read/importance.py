@@ -20,6 +20,7 @@ from typing import Any, Literal
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from service.errors import InvalidField
 from service.store import SUMMARY_COLUMNS, Study, Trial, TrialState
 from workers.metric_names import NUMERIC_SUMMARIES
 
@@ -38,12 +39,7 @@ EVALUATORS: tuple[str, ...] = ("fanova", "ped_anova")
 MIN_TRIALS = 5  # finished trials with a value for the target, before any ranking is offered
 
 
-class ImportanceError(ValueError):
-    """A bad request, naming the query parameter."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
+ImportanceError = InvalidField  # a bad query parameter, named (a 422: service/errors.py)
 
 
 class TooFewTrials(ImportanceError):

@@ -39,6 +39,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.errors import InvalidField
 from service.read.intervals import t_interval
 from service.store import NO_INDEX, Metric, Study, Trial, TrialState
 
@@ -68,12 +69,7 @@ LOG_SPACING_TOLERANCE = 0.15
 _RESULT_STATES = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.DIVERGED)
 
 
-class LrSensitivityError(ValueError):
-    """A request this study cannot answer, naming the field (a 422)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
+LrSensitivityError = InvalidField  # a request this study cannot answer, naming the field
 
 
 # --- the computation on numbers ---------------------------------------------------------------

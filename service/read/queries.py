@@ -13,6 +13,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
 from sqlalchemy.types import Text
 
+from service.errors import InvalidField
 from service.store import (
     NO_INDEX,
     OPEN_TRIAL_STATES,
@@ -60,12 +61,7 @@ _OPS = {">=": "__ge__", "<=": "__le__", ">": "__gt__", "<": "__lt__", "=": "__eq
 _FILTER_RE = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(>=|<=|>|<|=)\s*(.+?)\s*$")
 
 
-class QueryError(ValueError):
-    """A bad query parameter, with the parameter's name."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
+QueryError = InvalidField  # a bad query parameter, named (a 422: service/errors.py)
 
 
 @dataclass(frozen=True)

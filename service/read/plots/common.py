@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 
+from service.errors import InvalidField
 from service.store import SUMMARY_COLUMNS, Study, Trial, TrialState
 from workers.metric_names import FLAG_SUMMARIES, NUMERIC_SUMMARIES, series_by_index
 
@@ -83,12 +84,7 @@ NUMBER = re.compile(r"[0-9]{1,9}")  # ASCII only: str.isdigit() also accepts "²
 TABLE_COLUMNS = frozenset((*COLUMNS, *FLAG_FIELDS, "state"))
 
 
-class PlotError(ValueError):
-    """A bad plot parameter, with the query parameter's name."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
+PlotError = InvalidField  # a bad query parameter, named (a 422: service/errors.py)
 
 
 @dataclass(frozen=True)

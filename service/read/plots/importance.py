@@ -11,10 +11,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service.read.plots.common import (
-    PlotError,
-    PlotOptions,
-)
+from service.read.plots.common import PlotOptions
 from service.store import Study
 
 __all__ = ["KIND", "data", "draw"]
@@ -23,7 +20,7 @@ KIND = "importance"
 
 
 def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
-    from service.read.importance import ImportanceError, TooFewTrials, importance
+    from service.read.importance import TooFewTrials, importance
 
     try:
         if o.importance_cache is not None:  # reused until another trial completes
@@ -35,8 +32,7 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
     except TooFewTrials as e:  # like the other kinds while a study runs: an empty plot
         bars, n, note = [], e.have, e.message
         target = o.target or study.spec.get("objectives", [{}])[0].get("metric", "value")
-    except ImportanceError as e:
-        raise PlotError(e.field, e.message) from None
+    # Any other bad target/evaluator is an InvalidField (service/errors.py) like PlotError: a 422.
     return {
         "kind": "importance",
         "target": target,

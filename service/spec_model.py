@@ -1,0 +1,366 @@
+"""The study definition's model: what a user POSTs to start a study (JSON or YAML).
+
+A spec is a base trial config, a search space over dotted fields of that
+config, a sampler/pruner, a budget and the objectives and constraints that
+define a *stable* setting. Everything the model checks on its own is here, every error
+carrying the dotted path of the field; the checks that need more (every point of the
+search space, the deployment's limits, the data directory) are in service/spec_checks.py,
+and service/spec.py is the one name for both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from service.errors import InvalidField
+from workers.config import TrialConfig, TrialSummary
+from workers.metric_names import INTERMEDIATE_SUMMARIES, OBJECTIVE_SUMMARIES
+
+__all__ = [
+    "HISTORY_FREE_SAMPLERS",
+    "INFEASIBLE_PATIENCE",
+    "MAX_FUSE",
+    "SUMMARY_METRICS",
+    "Budget",
+    "CategoricalParam",
+    "Constraint",
+    "FixedParam",
+    "FloatParam",
+    "IntParam",
+    "Objective",
+    "Param",
+    "PrunerSpec",
+    "Resources",
+    "SamplerSpec",
+    "Scalar",
+    "SpecError",
+    "StudySpec",
+    "SummaryMetric",
+    "apply_params",
+    "count_params",
+    "extremes",
+    "summary_value",
+    "vocab_size",
+    "with_params",
+]
+
+
+def _summary_metric(name: str) -> str:
+    if name not in OBJECTIVE_SUMMARIES:
+        raise ValueError(
+            f"unknown summary metric {name!r}; one of {', '.join(OBJECTIVE_SUMMARIES)}"
+        )
+    return name
+
+
+# A TrialSummary number a study may optimise or constrain: the registry's objective metrics.
+SummaryMetric = Annotated[
+    str,
+    AfterValidator(_summary_metric),
+    WithJsonSchema({"type": "string", "enum": list(OBJECTIVE_SUMMARIES)}),
+]
+SUMMARY_METRICS: tuple[str, ...] = OBJECTIVE_SUMMARIES
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class FloatParam(_Strict):
+    type: Literal["float"]
+    low: float
+    high: float
+    log: bool = False
+    grid: list[float] | None = Field(None, min_length=1, max_length=1000)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> FloatParam:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0, got {self.low}")
+        return self
+
+
+class IntParam(_Strict):
+    type: Literal["int"]
+    low: int
+    high: int
+    log: bool = False
+    step: int = Field(1, ge=1)
+    grid: list[int] | None = Field(None, min_length=1, max_length=1000)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> IntParam:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log scale needs low > 0, got {self.low}")
+        if self.log and self.step != 1:
+            # Optuna's suggest_int refuses it when the trial asks (a failed study, not a 422).
+            raise ValueError(f"log: true needs step 1 (Optuna refuses it), got step {self.step}")
+        return self
+
+
+Scalar = str | int | float | bool
+
+
+class CategoricalParam(_Strict):
+    type: Literal["categorical"]
+    choices: list[Scalar] = Field(min_length=1, max_length=1000)
+
+
+class FixedParam(_Strict):
+    type: Literal["fixed"]
+    value: Scalar
+
+
+Param = Annotated[
+    FloatParam | IntParam | CategoricalParam | FixedParam, Field(discriminator="type")
+]
+
+
+# Evaluations in a row a constraint that can still be undone must be violated before the
+# trial is stopped. bench/infeasible_patience.py (2026-11-25, 48 random quickstart-space trials
+# trained to the end, 8 evaluations each, 35 ending feasible): patience 1-2 would have stopped
+# 2 trials that ended feasible, 3 one, 4 none while still stopping all 13 that ended
+# infeasible (12 % of the steps saved; 5: 9 %, 8: none). 4 is the smallest with no false stop
+# in that sample, which bounds the false-stop rate to about 3/35 (95 %), not to zero.
+INFEASIBLE_PATIENCE = 4
+
+
+class SamplerSpec(_Strict):
+    kind: Literal["random", "grid", "tpe", "cmaes", "gp", "nsga2"] = "tpe"
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    n_startup_trials: int = Field(4, ge=0, le=10_000)
+
+
+class PrunerSpec(_Strict):
+    kind: Literal["none", "median", "percentile", "hyperband"] = "none"
+    n_startup_trials: int = Field(2, ge=0, le=10_000)
+    n_warmup_steps: int = Field(0, ge=0)
+    percentile: float = Field(25.0, gt=0.0, lt=100.0)
+    # Stop a trial once it can no longer meet the study's constraints (workers/stopping.py):
+    # at once where the violation can never be undone (a running minimum below a lower
+    # bound), else after it held for `infeasible_patience` evaluations in a row.
+    stop_infeasible: bool = True
+    infeasible_patience: int = Field(INFEASIBLE_PATIENCE, ge=1, le=1000)
+
+
+class Budget(_Strict):
+    n_trials: int = Field(ge=1)
+    timeout_s: float | None = Field(None, gt=0.0)
+
+
+class Objective(_Strict):
+    metric: SummaryMetric = "final_val_loss"
+    direction: Literal["minimize", "maximize"] = "minimize"
+
+
+class Constraint(_Strict):
+    """`metric op value`; value may be given as a fraction of the trial's steps."""
+
+    metric: SummaryMetric
+    op: Literal[">=", "<="]
+    value: float | None = None
+    fraction_of_steps: float | None = Field(None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _one_value(self) -> Constraint:
+        if (self.value is None) == (self.fraction_of_steps is None):
+            raise ValueError("give exactly one of value or fraction_of_steps")
+        return self
+
+    def violation(self, summary: dict[str, Any], steps: int) -> float:
+        """Optuna's convention: <= 0 is feasible; a missing metric is infeasible."""
+        bound = self.value if self.value is not None else (self.fraction_of_steps or 0.0) * steps
+        x = summary.get(self.metric)
+        if x is None:
+            return 1e9
+        return float(bound - x) if self.op == ">=" else float(x - bound)
+
+
+class Resources(_Strict):
+    cpus: float = Field(1.0, gt=0.0, le=256.0)
+    gpus: float = Field(0.0, ge=0.0, le=16.0)
+
+
+MAX_FUSE = 64  # one fused process holds at most this many trials
+# Samplers whose next proposal does not depend on finished trials: the runner may ask ahead
+# for them (service/runner/scheduler.py, `may_ask`).
+HISTORY_FREE_SAMPLERS = ("random", "grid")
+
+
+SpecError = InvalidField  # a spec problem, with the dotted field it concerns
+
+
+class StudySpec(_Strict):
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.\-]*$")
+    description: str = Field("", max_length=10_000)
+    base: TrialConfig = Field(default_factory=TrialConfig)
+    search_space: dict[str, Param] = Field(default_factory=dict, max_length=64)
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    pruner: PrunerSpec = Field(default_factory=PrunerSpec)
+    budget: Budget
+    parallelism: int = Field(1, ge=1, le=256)
+    objectives: list[Objective] = Field(
+        default_factory=lambda: [Objective()], min_length=1, max_length=4
+    )
+    constraints: list[Constraint] = Field(default_factory=list, max_length=32)
+    resources: Resources = Field(default_factory=Resources)
+    max_retries: int = Field(2, ge=0, le=10)
+    # Member slots per worker: trials trained together in one process as one fused model
+    # (workers.fused), each in its own slot, a freed slot taking the next trial at once;
+    # 1 turns fusion off (a Ray task per trial). Trials share a worker only with trials of
+    # the same fusion key (shapes and loop). "auto" (the default): see `slots`.
+    fuse: int | Literal["auto"] = "auto"
+    # Whether a slot freed by a member that stopped takes the next trial at once (the
+    # default). False runs fixed groups, as HFTA and ModelBatch do: once a member of a
+    # worker's group has ended, the worker takes no new trial until the whole group has
+    # ended. It exists to measure what refilling is worth (bench/slots.py --fixed-groups).
+    refill: bool = True
+
+    @property
+    def slots(self) -> int:
+        """Member slots per worker: `fuse`, or what `fuse: auto` makes of this study.
+
+        auto fuses where it pays: what `workers.fusion_plan.auto_fuse` says the base config
+        gains (CPU: 4 below 0.25 GFLOP a step; GPU: 8, lowered by the worker's memory
+        estimate; 1 where the fused model refuses the config), under every sampler. Samplers
+        that learn from finished trials propose for the trials in flight (TPE's constant
+        liar, GP's batch acquisition; CMA-ES and NSGA-II sample whole generations), and
+        bench/fuse_sampler.py measured TPE and GP at 1, 4 and 8 slots: no loss in the best
+        feasible value after the same trials, and a better one at equal wall time (bench/
+        README.md, "Fusion under learning samplers"). Each fusion key's workers then get
+        what its own config gains (`service.runner.configs.slot_key`): a 12-layer grid point
+        of a 1-layer base is not fused. Under samplers that learn, auto also ramps each
+        worker up from one member as results arrive (`Scheduler.depth`).
+        """
+        if self.fuse != "auto":
+            return self.fuse
+        from workers.fusion_plan import auto_fuse  # torch-free
+
+        return auto_fuse(self.base, self.resources.gpus)
+
+    @field_validator("fuse", mode="before")
+    @classmethod
+    def _fuse_range(cls, v: object) -> object:
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_FUSE:
+            raise ValueError(f"must be an integer from 1 to {MAX_FUSE}, or 'auto'; got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StudySpec:
+        if self.base.device == "cuda" and self.resources.gpus == 0:
+            raise SpecError(
+                "resources.gpus",
+                "base.device is cuda but the trials ask for no GPU: set resources.gpus (e.g. 1,"
+                " or 0.25 to share one) or device auto",
+            )
+        if self.fuse != "auto" and self.fuse > 1:
+            # The workers' own check; imported here only.
+            from workers.fusion_plan import FusionError, check_fusable
+
+            try:
+                check_fusable(self.base)
+            except FusionError as e:
+                raise SpecError("fuse", f"fuse > 1 with this base config: {e}") from None
+        if len(self.objectives) > 1 and self.pruner.kind != "none":
+            raise SpecError("pruner.kind", "pruning needs a single objective: set it to none")
+        if self.pruner.kind != "none" and self.objectives[0].metric not in INTERMEDIATE_SUMMARIES:
+            raise SpecError(
+                "objectives.0.metric",
+                f"{self.objectives[0].metric} has no intermediate value to prune on; "
+                "set pruner.kind to none",
+            )
+        if self.sampler.kind == "grid":
+            for path, p in self.search_space.items():
+                if isinstance(p, FloatParam | IntParam) and p.grid is None:
+                    raise SpecError(f"search_space.{path}", "the grid sampler needs a 'grid' list")
+        for path, param in self.search_space.items():
+            for value in extremes(param):
+                try:
+                    apply_params(self.base, {path: value})
+                except SpecError as e:
+                    raise SpecError(f"search_space.{path}", e.message) from None
+        return self
+
+    def directions(self) -> list[str]:
+        return [o.direction for o in self.objectives]
+
+    def content_hash(self) -> str:
+        blob = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def extremes(param: Param) -> list[Scalar]:
+    """The values a parameter's own check tries: its ends and grid, or every choice."""
+    if isinstance(param, FloatParam | IntParam):
+        return [param.low, param.high, *(param.grid or [])]
+    if isinstance(param, CategoricalParam):
+        return list(param.choices)
+    return [param.value]
+
+
+def with_params(data: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the dumped config `data` with dotted fields replaced (only the sections on
+    the paths are copied: `data` is left as it was); raises SpecError naming a bad path."""
+    out = dict(data)
+    for path, value in params.items():
+        node = out
+        keys = path.split(".")
+        for key in keys[:-1]:
+            child = node.get(key)
+            if not isinstance(child, dict):
+                raise SpecError(path, f"'{key}' is not a section of the trial config")
+            copy = dict(child)
+            node[key] = copy
+            node = copy
+        if keys[-1] not in node:
+            raise SpecError(path, f"'{keys[-1]}' is not a field of the trial config")
+        node[keys[-1]] = value
+    return out
+
+
+def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
+    """The base config with dotted fields replaced; raises SpecError naming a bad field."""
+    data = with_params(base.model_dump(mode="json", by_alias=True), params)
+    try:
+        return TrialConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise SpecError(".".join(str(x) for x in err["loc"]) or "base", err["msg"]) from None
+
+
+def vocab_size(config: TrialConfig) -> int:
+    """Tokens of the model's vocabulary: the corpus's cap plus <unk>/<eos> for lm, else the
+    synthetic task's symbols and its markers."""
+    return config.task.vocab_cap + 2 if config.task.kind == "lm" else 4 * config.task.n_symbols + 4
+
+
+def count_params(config: TrialConfig, vocab: int) -> int:
+    """About how many parameters a trial's model has (attention, MLP, embeddings)."""
+    m = config.model
+    per_layer = 4 * m.d_model * m.d_model + (2 * m.d_model * m.d_ff if m.mlp else 0)
+    return m.n_layers * per_layer + vocab * m.d_model + config.task.seq_len * m.d_model
+
+
+def summary_value(summary: TrialSummary | dict[str, Any], metric: str) -> float | None:
+    data = summary.model_dump() if isinstance(summary, TrialSummary) else summary
+    v = data.get(metric)
+    return None if v is None else float(v)
