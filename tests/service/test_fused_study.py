@@ -19,6 +19,7 @@ from sqlalchemy import select
 
 from service.app import create_app
 from service.control.ray_cluster import LocalRayHead
+from service.spec import StudySpec
 from service.store.models import Trial
 from service.store.optuna import optuna_storage, optuna_study_name
 from service.store.session import make_engine, make_sessionmaker
@@ -252,6 +253,10 @@ def test_a_pruned_member_stops_alone(app_client: TestClient, db_url: str) -> Non
         assert detail["summary"]["status"] == "pruned"
         assert detail["summary"]["steps_done"] < 60
         assert t["number"] >= 4  # nothing is pruned before two trials completed
+        # the runner's reason travelled with the stop to the member and back in its summary
+        metric = StudySpec.model_validate(spec).objectives[0].metric
+        assert detail["stop_reason"].startswith(f"median pruner: {metric} "), detail["stop_reason"]
+        assert detail["summary"]["stop_reason"] == detail["stop_reason"]
     check_finished_study(db_url, trials[0]["study_id"])
 
 
