@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.api.errors import ApiError
 from service.config import Settings
 from service.control.ray_cluster import JobLauncher
-from service.store import Store, Study, session_scope
+from service.store import Store, Study, Trial, session_scope
 
 __all__ = [
     "MAX_ID",
@@ -23,6 +23,8 @@ __all__ = [
     "StoreDep",
     "StudyDep",
     "StudyId",
+    "TrialDep",
+    "TrialId",
     "load_study",
     "require_token",
     "token_digest",
@@ -99,3 +101,16 @@ def get_study(session: SessionDep, study_id: StudyId) -> Study:
 # The study of the route's `{study_id}`, read with the request's session, or a 404 (before
 # the route's other parameters are checked: a missing study is the first thing to fix).
 StudyDep = Annotated[Study, Depends(get_study)]
+
+TrialId = Annotated[int, Path(ge=1, le=MAX_ID)]
+
+
+def get_trial(session: SessionDep, trial_id: TrialId) -> Trial:
+    row = session.get(Trial, trial_id)
+    if row is None:
+        raise ApiError(404, "not_found", f"trial {trial_id} does not exist")
+    return row
+
+
+# The trial of the route's `{trial_id}`, or a 404, as StudyDep for a study.
+TrialDep = Annotated[Trial, Depends(get_trial)]

@@ -13,17 +13,16 @@ import json
 from collections.abc import Sequence
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Response
+from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, Field
 from sqlalchemy import Row
 
-from service.api.deps import SessionDep
+from service.api.deps import SessionDep, TrialDep
 from service.api.errors import ApiError
 from service.api.openapi import not_found
 from service.api.paging import decode_cursor, encode_cursor
 from service.api.schemas import FieldError
 from service.read import queries
-from service.store import Trial
 
 __all__ = ["MAX_ROWS", "SeriesOut", "TrialSeriesOut", "router"]
 
@@ -31,7 +30,6 @@ router = APIRouter(prefix="/v1", tags=["trials"])
 
 MAX_INT = 2**31 - 1  # PostgreSQL integer
 MAX_ROWS = 200_000  # rows one call returns at most (`next_cursor` gives the rest, page by page)
-TrialId = Annotated[int, Path(ge=1, le=MAX_INT)]
 MetricName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_]{1,64}$")]
 
 
@@ -88,7 +86,7 @@ def _group(rows: Sequence[Row[str, int, int, int, float | None]]) -> list[Series
 )
 def get_series(
     session: SessionDep,
-    trial_id: TrialId,
+    trial: TrialDep,
     name: Annotated[list[MetricName] | None, Query(max_length=50)] = None,
     step_min: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     step_max: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
@@ -102,8 +100,7 @@ def get_series(
     start = decode_cursor(cursor)
     # On PostgreSQL the database writes the series' JSON (queries.metric_series_json); on
     # SQLite they are grouped here from the rows.
-    if session.get(Trial, trial_id) is None:
-        raise ApiError(404, "not_found", f"trial {trial_id} does not exist")
+    trial_id = trial.id
     if step_min is not None and step_max is not None and step_min > step_max:
         raise ApiError(
             422,

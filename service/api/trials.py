@@ -5,15 +5,14 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 
-from service.api.deps import SessionDep
+from service.api.deps import SessionDep, TrialDep
 from service.api.errors import ApiError
 from service.api.openapi import not_found
 from service.api.paging import decode_cursor, encode_cursor
 from service.api.schemas import FieldError, MetricOut, TrialOut
 from service.read import queries
-from service.store import Trial
 from workers.metric_names import SERIES_NAMES
 
 __all__ = ["MAX_METRIC_ROWS", "NEXT_CURSOR", "router"]
@@ -23,20 +22,12 @@ _METRIC_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 router = APIRouter(prefix="/v1", tags=["trials"])
 
 MAX_INT = 2**31 - 1  # PostgreSQL integer
-TrialId = Annotated[int, Path(ge=1, le=MAX_INT)]
 Bounded = Query(ge=0, le=MAX_INT)
 
 
-def _get_trial(session: SessionDep, trial_id: TrialId) -> Trial:
-    row = session.get(Trial, trial_id)
-    if row is None:
-        raise ApiError(404, "not_found", f"trial {trial_id} does not exist")
-    return row
-
-
 @router.get("/trials/{trial_id}", response_model=TrialOut, responses=not_found("trial"))
-def get_trial(session: SessionDep, trial_id: TrialId) -> TrialOut:
-    return TrialOut.of(_get_trial(session, trial_id), with_summary=True)
+def get_trial(trial: TrialDep) -> TrialOut:
+    return TrialOut.of(trial, with_summary=True)
 
 
 MAX_METRIC_ROWS = 100_000  # rows one /metrics call returns at most
@@ -90,7 +81,7 @@ def get_metrics(
     request: Request,
     response: Response,
     session: SessionDep,
-    trial_id: TrialId,
+    trial: TrialDep,
     name: Annotated[list[str] | None, Query(max_length=50)] = None,
     layer: Annotated[int | None, Bounded] = None,
     head: Annotated[int | None, Bounded] = None,
@@ -106,7 +97,7 @@ def get_metrics(
     without it. `name=` takes the metric names of docs/metrics.md (or any other name stored
     for the trial); an unknown name is a 422 naming `name`, not an empty list."""
     start = decode_cursor(cursor)
-    _get_trial(session, trial_id)
+    trial_id = trial.id
     _check_names(session, trial_id, name or [])
     rows = queries.metric_series(
         session,
