@@ -23,19 +23,25 @@ running is read as it is at each batch, not as one snapshot.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import re
 import zipfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.read.export_formats import (
+    FORMULA_STARTS,
+    Batches,
+    Counting,
+    Sink,
+    Table,
+    neutralise,
+    write_csv,
+    write_parquet,
+)
 from service.read.plots import collapse_class
 from service.read.queries import MetricKey, metric_series
 from service.store import NO_INDEX, SUMMARY_COLUMNS, Study, Trial, session_scope
@@ -99,16 +105,6 @@ METRIC_COLUMNS = [
     ("step", "int64"),
     ("value", "float64"),
 ]
-
-
-_Batches = Callable[[], Iterator[list[list[Any]]]]
-
-
-@dataclass(frozen=True)
-class _Table:
-    name: str
-    columns: list[tuple[str, str]]
-    batches: _Batches  # rows, a batch at a time, each read in its own short transaction
 
 
 # ---- the trials table --------------------------------------------------------------------------
@@ -185,7 +181,7 @@ def _trial_batches(
     columns: list[tuple[str, str]],
     batch: int,
     study_name: str,
-) -> _Batches:
+) -> Batches:
     def batches() -> Iterator[list[list[Any]]]:
         after = -1
         while True:
@@ -210,7 +206,7 @@ def _trial_batches(
 # ---- the metrics table -------------------------------------------------------------------------
 
 
-def _metric_batches(sessions: sessionmaker[Session], study_id: int, batch: int) -> _Batches:
+def _metric_batches(sessions: sessionmaker[Session], study_id: int, batch: int) -> Batches:
     def batches() -> Iterator[list[list[Any]]]:
         with session_scope(sessions) as session:
             trials = session.execute(
@@ -254,154 +250,7 @@ def _metric_batches(sessions: sessionmaker[Session], study_id: int, batch: int) 
 # ---- writers ------------------------------------------------------------------------------------
 
 
-class _Sink:
-    """A write-only, non-seekable byte sink that the stream drains after every batch."""
-
-    def __init__(self) -> None:
-        self._chunks: list[bytes] = []
-        self._pos = 0
-        self.closed = False
-
-    def write(self, b: bytes | bytearray | memoryview) -> int:
-        data = bytes(b)
-        self._chunks.append(data)
-        self._pos += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self._pos
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-    def writable(self) -> bool:
-        return True
-
-    def drain(self) -> bytes:
-        out = b"".join(self._chunks)
-        self._chunks.clear()
-        return out
-
-
-class _Counting:
-    """Adds tell() to a write-only file (a zip member) for pyarrow's Parquet writer."""
-
-    def __init__(self, f: Any) -> None:
-        self._f, self._pos, self.closed = f, 0, False
-
-    def write(self, b: bytes | bytearray | memoryview) -> int:
-        n: int = self._f.write(b)
-        self._pos += len(b)
-        return n
-
-    def tell(self) -> int:
-        return self._pos
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def close(self) -> None:
-        self.closed = True  # the zip member is closed by its owner
-
-    def writable(self) -> bool:
-        return True
-
-
-# A spreadsheet reads a cell that starts with one of these as a formula (CSV injection).
-FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
-# A plain number literal (a negative number is not a formula): left as it is.
-_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
-
-
-def neutralise(text: str) -> str:
-    """OWASP's CSV-injection defence: a string cell that a spreadsheet would run as a formula
-    (it starts with =, +, -, @, a tab or a carriage return) gets a leading single quote, so
-    it is shown as text; the csv writer quotes it where needed. Number literals ("-3",
-    "+1.5e-3") are left alone, so they stay numbers."""
-    if text.startswith(FORMULA_STARTS) and not _NUMBER.fullmatch(text):
-        return "'" + text
-    return text
-
-
-def _csv_cell(v: Any) -> Any:
-    if v is None:
-        return ""
-    if isinstance(v, str):
-        return neutralise(v)
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, datetime):
-        return (v if v.tzinfo else v.replace(tzinfo=UTC)).isoformat()
-    if isinstance(v, float):
-        return repr(v)  # shortest text that reads back as the same float
-    return v
-
-
-def _write_csv(table: _Table, out: Any) -> Iterator[None]:
-    text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    # The csv module quotes a field holding "\n" (the line terminator) but not a bare "\r",
-    # which readers take for a line end: a row with one is written fully quoted.
-    quoted = csv.writer(text, lineterminator="\n", quoting=csv.QUOTE_ALL)
-    writer.writerow([c for c, _ in table.columns])
-    for rows in table.batches():
-        for r in rows:
-            cells = [_csv_cell(v) for v in r]
-            cr = any(isinstance(c, str) and "\r" in c for c in cells)
-            (quoted if cr else writer).writerow(cells)
-        out.write(text.getvalue().encode())
-        text.seek(0)
-        text.truncate()
-        yield
-    if text.tell():
-        out.write(text.getvalue().encode())
-    yield
-
-
-def _arrow_schema(columns: list[tuple[str, str]]) -> Any:
-    import pyarrow as pa
-
-    types = {
-        "int64": pa.int64(),
-        "float64": pa.float64(),
-        "bool": pa.bool_(),
-        "string": pa.string(),
-        "timestamp": pa.timestamp("us", tz="UTC"),
-    }
-    return pa.schema([(name, types[kind]) for name, kind in columns])
-
-
-def _arrow_value(v: Any) -> Any:
-    if isinstance(v, datetime) and v.tzinfo is None:
-        return v.replace(tzinfo=UTC)  # SQLite hands naive datetimes back; they were stored UTC
-    return v
-
-
-def _write_parquet(table: _Table, out: Any) -> Iterator[None]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = _arrow_schema(table.columns)
-    with pq.ParquetWriter(pa.PythonFile(out, mode="w"), schema, compression="zstd") as writer:
-        wrote = False
-        for rows in table.batches():
-            cols = list(zip(*rows, strict=True))
-            arrays = [
-                pa.array([_arrow_value(v) for v in col], type=field.type)
-                for col, field in zip(cols, schema, strict=True)
-            ]
-            writer.write_table(pa.Table.from_arrays(arrays, schema=schema))
-            wrote = True
-            yield
-        if not wrote:
-            writer.write_table(schema.empty_table())
-    yield
-
-
-_WRITERS = {"csv": _write_csv, "parquet": _write_parquet}
+_WRITERS = {"csv": write_csv, "parquet": write_parquet}
 MEDIA_TYPES = {"csv": "text/csv; charset=utf-8", "parquet": "application/vnd.apache.parquet"}
 
 
@@ -410,7 +259,7 @@ def export_plan(
     study_id: int,
     what: Literal["trials", "metrics", "both"],
     batch: int,
-) -> list[_Table]:
+) -> list[Table]:
     """The tables to write, their columns read now (one short transaction); LookupError for
     a study that does not exist."""
     tables = []
@@ -422,9 +271,9 @@ def export_plan(
         name = study.name
     if what in ("trials", "both"):
         batches = _trial_batches(sessions, study_id, cols, batch, name)
-        tables.append(_Table("trials", cols, batches))
+        tables.append(Table("trials", cols, batches))
     if what in ("metrics", "both"):
-        tables.append(_Table("metrics", METRIC_COLUMNS, _metric_batches(sessions, study_id, batch)))
+        tables.append(Table("metrics", METRIC_COLUMNS, _metric_batches(sessions, study_id, batch)))
     return tables
 
 
@@ -442,7 +291,7 @@ def export_stream(
     Every read is its own short transaction from `sessions` (none is open while a chunk is
     handed to the caller), so it can run after the request's session is gone and a slow
     reader holds no connection; the study must exist."""
-    sink = _Sink()
+    sink = Sink()
     write = _WRITERS[fmt]
     tables = export_plan(sessions, study_id, what, batch)
     if what != "both":
@@ -458,7 +307,7 @@ def export_stream(
             info.compress_type = method
             info.external_attr = 0o644 << 16
             with zf.open(info, "w", force_zip64=True) as member:
-                for _ in write(table, _Counting(member)):
+                for _ in write(table, Counting(member)):
                     if chunk := sink.drain():
                         yield chunk
     if chunk := sink.drain():
