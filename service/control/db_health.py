@@ -38,7 +38,8 @@ class DatabaseHealth:
         if up != self.up:
             self.since = time.time()
             if up:
-                log.warning("the database answers again")
+                if self.up is not None:  # not at the first probe: nothing came back
+                    log.warning("the database answers again")
             else:
                 log.warning("the database is unreachable: %s", error)
         self.up = up
