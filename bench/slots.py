@@ -73,7 +73,7 @@ def run(
 ) -> dict[str, Any]:
     saved = os.environ.get("PYTHONPATH")
     if tree is not None:  # the reference code first, for serve, the Ray head and its jobs
-        os.environ["PYTHONPATH"] = str(tree)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(tree), str(_migrations_shim(tree))])
     try:
         head, proc, api, _ = start_serve(work, 1)
     finally:
@@ -98,6 +98,18 @@ def run(
         }
     finally:
         stop_serve(head, proc)
+
+
+def _migrations_shim(tree: Path) -> Path:
+    """A folder that makes `qkscope_migrations` (the installed name of `migrations/`, which
+    points at this checkout's) the reference tree's own, put on PYTHONPATH after the tree:
+    the reference code's schema, not today's."""
+    shim = tree.parent / f"{tree.name}-packages"
+    shim.mkdir(exist_ok=True)
+    link = shim / "qkscope_migrations"
+    if not link.exists():
+        link.symlink_to(tree / "migrations")
+    return shim
 
 
 def _worktree(tmp: str, ref: str) -> Path:
