@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, HTTPException, Path, Request, status
 from sqlalchemy.orm import Session, sessionmaker
@@ -80,12 +80,21 @@ def require_token(request: Request) -> None:
         )
 
 
+_Row = TypeVar("_Row", Study, Trial)
+
+
+def _row_or_404(session: Session, model: type[_Row], row_id: int) -> _Row:
+    """The row `row_id` of `model`, or the API's 404 naming it."""
+    row = session.get(model, row_id)
+    if row is None:
+        what = "study" if model is Study else "trial"
+        raise ApiError(404, "not_found", f"{what} {row_id} does not exist")
+    return row
+
+
 def load_study(session: Session, study_id: int) -> Study:
     """The study `study_id`, or the API's 404."""
-    row = session.get(Study, study_id)
-    if row is None:
-        raise ApiError(404, "not_found", f"study {study_id} does not exist")
-    return row
+    return _row_or_404(session, Study, study_id)
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
@@ -106,10 +115,7 @@ TrialId = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 
 def get_trial(session: SessionDep, trial_id: TrialId) -> Trial:
-    row = session.get(Trial, trial_id)
-    if row is None:
-        raise ApiError(404, "not_found", f"trial {trial_id} does not exist")
-    return row
+    return _row_or_404(session, Trial, trial_id)
 
 
 # The trial of the route's `{trial_id}`, or a 404, as StudyDep for a study.
