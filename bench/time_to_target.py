@@ -5,27 +5,29 @@ target fixed beforehand), side by side in one run, interleaved, over several see
 The study: quickstart's model and task (associative recall, 2 layers, d_model 32, 300
 steps, an evaluation every 50), three knobs (learning rate, QK init scale, LocAteR-style
 lambda), constraints `min_norm_entropy >= 0.1` and `final_rank_ratio >= 0.05` (no entropy
-collapse, no rank collapse). The target is TARGET below: the 5th percentile of the feasible
-final validation losses of a 96-trial random study of this space (`--calibrate` reruns it).
+collapse, no rank collapse). Two targets, both from one 96-trial random study of this space
+(`--calibrate`) and fixed before any comparison: `common`, the 10th percentile of its feasible
+final validation losses, and `hard`, the 5th.
 
 - qkscope with its defaults (TPE, `fuse: auto`, infeasible trials stopped, no loss pruner),
   POSTed to a `qkscope serve` (its own Ray head, 2 CPUs), `parallelism: 2`, cancelled at the
-  budget; `qkscope-median` is the same with the median pruner that plain Optuna gets,
-  `qkscope-fuseN` with an explicit `fuse: N` (no ramp) (`--only` picks the lines);
+  budget; `qkscope-median` and `qkscope-sh` are the same with the median or the successive
+  halving pruner (the infeasible stop still on), `qkscope-fuseN` with an explicit `fuse: N`
+  (no ramp) (`--only` picks the lines);
 - plain Optuna: `n_jobs=2` threads, TPE with the same constraints through
   `constraints_func`, the median pruner;
 - Ray Tune: `OptunaSearch` (TPE; Tune cannot pass constraint values to it) with the ASHA
   scheduler, 2 concurrent trials on a local Ray cluster of 2 CPUs.
 
-Each run has the same wall budget. Reported per framework (medians over seeds): the time
-to the first trial's end, the wall time to the first feasible trial at or below the target
-(inf: not within the budget), the best feasible value at the budget, trials finished per
-hour, and the share of trial compute spent on trials that did not end feasible and complete
-(stopped by a pruner, stopped as infeasible, or run to the end infeasible); then, for each
-qkscope line against the fastest peer, the ratio of medians with a bootstrap interval over
-seeds.
+Each run has the same wall budget; seeds are interleaved (every line runs seed s before any
+runs seed s + 1, in an order that rotates with the seed). Reported per line: the time to the
+first trial's end, per target the median time to the first feasible trial at or below it
+(inf: not within the budget) with its interquartile range and how many runs reached it, the
+best feasible value at the budget, trials finished per hour, and the share of trial compute
+spent on trials that did not end feasible and complete; then, per target, each qkscope line
+against each peer: the ratio of medians with a 95 % bootstrap interval over seeds.
 
-    .venv/bin/python -m bench.time_to_target [--seeds 5] [--first-seed 0] [--budget 150] [--quick]
+    .venv/bin/python -m bench.time_to_target [--seeds 20] [--first-seed 0] [--budget 45] [--json F] [--quick]
     .venv/bin/python -m bench.time_to_target --calibrate [--trials 96]
 """
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import statistics
@@ -53,7 +56,12 @@ from bench.orchestration import post_and_wait, start_serve, stop_serve
 # 5th percentile of the feasible final_val_loss of `--calibrate`: 96 random trials (seed 0,
 # infeasible trials not stopped), 72 of them feasible, 2026-11-25 18:18 UTC on the 2-core
 # machine; fixed here before any run of the comparison. See bench/README.md.
-TARGET = 2.475
+HARD = 2.475
+# 10th percentile of the same reference sweep, rerun 2026-11-26 18:31 UTC (73 of 96 feasible;
+# its 5th percentile came out 2.47497, HARD again), fixed before the 20-seed comparison: a
+# target most runs reach, so the time to it measures the search more than one lucky draw.
+COMMON = 2.504
+TARGETS = {"common": COMMON, "hard": HARD}
 CONCURRENCY = 2
 SPACE: dict[str, dict[str, Any]] = {
     "optim.lr": {"type": "float", "low": 3e-4, "high": 3e-2, "log": True},
@@ -102,7 +110,7 @@ def run_qkscope(
     budget: float,
     steps: int,
     trials: int,
-    median: bool = False,
+    pruner: str | None = None,
     fuse: int | None = None,
 ) -> list[End]:
     body: dict[str, Any] = {
@@ -116,8 +124,8 @@ def run_qkscope(
         "constraints": [{"metric": k, "op": ">=", "value": v} for k, v in BOUNDS.items()],
         "resources": {"cpus": 1, "gpus": 0},
     }
-    if median:
-        body["pruner"] = {"kind": "median", "n_startup_trials": 2}
+    if pruner is not None:
+        body["pruner"] = {"kind": pruner, "n_startup_trials": 2}
     if fuse is not None:
         body["fuse"] = fuse
     t0 = time.time()
@@ -284,12 +292,12 @@ def run_tune(seed: int, budget: float, steps: int, trials: int, work: Path) -> l
 # ---- the figures -------------------------------------------------------------------------
 
 
-def time_to_target(ends: list[End], budget: float = math.inf) -> float:
-    """Seconds to the first feasible trial at or below TARGET (inf: none within budget)."""
+def time_to_target(ends: list[End], budget: float = math.inf, target: float = HARD) -> float:
+    """Seconds to the first feasible trial at or below `target` (inf: none within budget)."""
     hits = [
         e.at
         for e in ends
-        if e.feasible and e.value is not None and e.value <= TARGET and e.at <= budget
+        if e.feasible and e.value is not None and e.value <= target and e.at <= budget
     ]
     return min(hits) if hits else math.inf
 
@@ -304,16 +312,33 @@ def not_feasible_share(ends: list[End]) -> float:
     return sum(e.compute_s for e in ends if not e.feasible) / total if total else 0.0
 
 
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(25th, 50th, 75th) percentile, inf (a run that never reached the target) sorting last;
+    linear interpolation between order statistics, as numpy's default."""
+    v = sorted(xs)
+
+    def q(p: float) -> float:
+        pos = p * (len(v) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        if lo == hi or v[lo] == v[hi]:
+            return v[lo]
+        if math.isinf(v[hi]):
+            return math.inf
+        return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+    return q(0.25), q(0.5), q(0.75)
+
+
 def summarize(name: str, runs: list[list[End]], budget: float) -> list[Any]:
-    ttt = [time_to_target(r, budget) for r in runs]
     bests = [b for r in runs if (b := best_at(r, budget)) is not None]
     per_hour = [3600 * len([e for e in r if e.at <= budget]) / budget for r in runs]
     first = [min((e.at for e in r), default=math.inf) for r in runs]
-    return [
-        name,
-        statistics.median(first),
-        statistics.median(ttt),
-        f"{sum(math.isfinite(t) for t in ttt)}/{len(ttt)}",
+    row: list[Any] = [name, statistics.median(first)]
+    for target in TARGETS.values():
+        lo, mid, hi = quartiles([time_to_target(r, budget, target) for r in runs])
+        reached = sum(math.isfinite(time_to_target(r, budget, target)) for r in runs)
+        row += [mid, f"{lo:.1f}-{hi:.1f}", f"{reached}/{len(runs)}"]
+    return row + [
         statistics.median(bests) if bests else None,
         statistics.median(per_hour),
         f"{100 * statistics.median(not_feasible_share(r) for r in runs):.0f} %",
@@ -338,8 +363,15 @@ def ratio_interval(
     return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
+def ratio_line(ours: str, peer: str, a: list[float], b: list[float]) -> str:
+    ma, mb = statistics.median(a), statistics.median(b)
+    ratio = 1.0 if math.isinf(ma) and math.isinf(mb) else mb / ma
+    lo, hi = ratio_interval(a, b)
+    return f"{ours} vs {peer}: {ratio:.2f}x faster to target (95 % bootstrap {lo:.2f}-{hi:.2f}x)"
+
+
 def calibrate(trials: int, steps: int) -> int:
-    """The target: the 5th percentile of feasible final losses of a random study."""
+    """The targets: the 5th and 10th percentiles of feasible final losses of a random study."""
     with tempfile.TemporaryDirectory(prefix="qkscope-ttt-cal-") as tmp:
         head, proc, api, _ = start_serve(Path(tmp), CONCURRENCY)
         try:
@@ -360,19 +392,33 @@ def calibrate(trials: int, steps: int) -> int:
         finally:
             stop_serve(head, proc)
     vals = sorted(t["value"] for t in items if t["feasible"] and t["value"] is not None)
-    q = vals[max(0, math.ceil(0.05 * len(vals)) - 1)] if vals else None
-    print(f"{trials} random trials ({wall:.0f} s), {len(vals)} feasible; 5th percentile: {q}")
+    qs = {p: vals[max(0, math.ceil(p / 100 * len(vals)) - 1)] if vals else None for p in (5, 10)}
+    print(f"{trials} random trials ({wall:.0f} s), {len(vals)} feasible; percentiles {qs}")
+    print("feasible values:", " ".join(f"{v:.4f}" for v in vals))
     return 0
+
+
+def pick(name: str, seed: int, args: argparse.Namespace, serve: Any, tmp: Path) -> list[End]:
+    """One run of one line of the comparison."""
+    if name.startswith("qkscope"):
+        pruner = {"qkscope-median": "median", "qkscope-sh": "successive_halving"}.get(name)
+        fuse = int(name.split("-fuse")[1]) if "-fuse" in name else None
+        with httpx.Client(base_url=serve[2], timeout=60) as c:
+            return run_qkscope(c, seed, args.budget, args.steps, args.trials, pruner, fuse)
+    if name == "optuna":
+        return run_optuna(seed, args.budget, args.steps, args.trials)
+    return run_tune(seed, args.budget, args.steps, args.trials, tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed.. (more runs)")
-    p.add_argument("--budget", type=float, default=150.0, help="wall seconds per run")
+    p.add_argument("--budget", type=float, default=45.0, help="wall seconds per run")
     p.add_argument("--trials", type=int, default=1000, help="at most this many per run")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--only", default="qkscope,optuna,tune")
+    p.add_argument("--json", type=Path, help="write every run's trial ends here")
     p.add_argument("--calibrate", action="store_true")
     p.add_argument("--quick", action="store_true", help="2 seeds, 40 s budgets, 100 steps")
     args = p.parse_args(argv)
@@ -385,63 +431,49 @@ def main(argv: list[str] | None = None) -> int:
     load0 = load1()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     runs: dict[str, list[list[End]]] = {n: [] for n in names}
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     with tempfile.TemporaryDirectory(prefix="qkscope-ttt-") as tmp:
         (Path(tmp) / "serve").mkdir()
         wants_serve = any(n.startswith("qkscope") for n in names)
         serve = start_serve(Path(tmp) / "serve", CONCURRENCY) if wants_serve else None
         try:
-            seeds = range(args.first_seed, args.first_seed + args.seeds)
-            for seed in seeds:  # interleaved: each seed runs all frameworks
-                for name in names:
-                    if name.startswith("qkscope"):
-                        assert serve is not None
-                        median = name == "qkscope-median"
-                        fuse = int(name.split("-fuse")[1]) if "-fuse" in name else None
-                        with httpx.Client(base_url=serve[2], timeout=60) as c:
-                            r = run_qkscope(
-                                c, seed, args.budget, args.steps, args.trials, median, fuse
-                            )
-                    elif name == "optuna":
-                        r = run_optuna(seed, args.budget, args.steps, args.trials)
-                    else:
-                        r = run_tune(seed, args.budget, args.steps, args.trials, Path(tmp))
+            for i, seed in enumerate(seeds):
+                # interleaved, each seed runs every line; the order rotates with the seed so
+                # no line always runs first (on a cold cache) or right after Ray Tune
+                for name in names[i % len(names) :] + names[: i % len(names)]:
+                    r = pick(name, seed, args, serve, Path(tmp))
                     runs[name].append(r)
-                    say(
-                        f"  seed {seed} {name}: {len(r)} trials, to target {time_to_target(r):.1f} s"
+                    hits = ", ".join(
+                        f"{k} {time_to_target(r, args.budget, t):.1f} s" for k, t in TARGETS.items()
                     )
+                    say(f"  seed {seed} {name}: {len(r)} trials, to target {hits}")
         finally:
             if serve is not None:
                 stop_serve(serve[0], serve[1])
+    if args.json:
+        args.json.write_text(
+            json.dumps({"seeds": seeds, "budget": args.budget, "targets": TARGETS,
+                        "runs": {n: [[vars(e) for e in r] for r in rs] for n, rs in runs.items()}})
+        )  # fmt: skip
     print(f"time_to_target: {machine_line()}")
+    targets = ", ".join(f"{k} {v}" for k, v in TARGETS.items())
     print(
-        f"target: feasible final_val_loss <= {TARGET}; {args.seeds} seeds, {args.budget:.0f} s "
-        f"per run, concurrency {CONCURRENCY}, {args.steps} steps per trial"
+        f"targets (feasible final_val_loss at or below): {targets}; seeds {seeds[0]}-"
+        f"{seeds[-1]}, {args.budget:.0f} s per run, concurrency {CONCURRENCY}, "
+        f"{args.steps} steps per trial"
     )
-    rows = [summarize(n, runs[n], args.budget) for n in names]
-    print(
-        table(
-            [
-                "framework",
-                "first trial ended s (median)",
-                "time to target s (median)",
-                "reached",
-                "best feasible at budget",
-                "trials/hour",
-                "compute on trials not ending feasible",
-            ],
-            rows,
-        )
-    )
-    peers = [r for r in rows if not r[0].startswith("qkscope") and math.isfinite(r[2])]
-    hit = {n: [time_to_target(r, args.budget) for r in runs[n]] for n in names}
-    for q in (r for r in rows if r[0].startswith("qkscope")):
-        if peers:
-            best = min(peers, key=lambda r: r[2])
-            lo, hi = ratio_interval(hit[q[0]], hit[best[0]])
-            print(
-                f"{q[0]} vs the fastest peer ({best[0]}): {best[2] / q[2]:.2f}x faster to target "
-                f"(95 % bootstrap interval over seeds {lo:.2f}-{hi:.2f}x)"
-            )
+    header = ["framework", "first trial ended s (median)"]
+    for k in TARGETS:
+        header += [f"to {k} s (median)", f"{k} IQR", f"{k} reached"]
+    header += ["best feasible at budget", "trials/hour", "compute on trials not ending feasible"]
+    print(table(header, [summarize(n, runs[n], args.budget) for n in names]))
+    peers = [n for n in names if not n.startswith("qkscope")]
+    for k, target in TARGETS.items():
+        hit = {n: [time_to_target(r, args.budget, target) for r in runs[n]] for n in names}
+        print(f"target {k} ({target}):")
+        for q in (n for n in names if n.startswith("qkscope")):
+            for peer in sorted(peers, key=lambda n: statistics.median(hit[n])):
+                print("  " + ratio_line(q, peer, hit[q], hit[peer]))
     if note := busy_note(load0):
         print(note)
     return 0

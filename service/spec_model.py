@@ -149,7 +149,7 @@ class SamplerSpec(_Strict):
 
 
 class PrunerSpec(_Strict):
-    kind: Literal["none", "median", "percentile", "hyperband"] = "none"
+    kind: Literal["none", "median", "percentile", "hyperband", "successive_halving"] = "none"
     n_startup_trials: int = Field(2, ge=0, le=10_000)
     n_warmup_steps: int = Field(0, ge=0)
     percentile: float = Field(25.0, gt=0.0, lt=100.0)

@@ -4,6 +4,7 @@ size (their figures are not checked: speed is a benchmark, not a test)."""
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -73,6 +74,30 @@ def test_the_time_to_target_interval_brackets_the_ratio_of_medians() -> None:
     assert 20.0 / 30.0 <= lo <= 1.0 and hi == math.inf
     lo, hi = ratio_interval([10.0, 20.0, 30.0, 40.0, 50.0], [20.0, 40.0, 60.0, 80.0, 100.0])
     assert lo < 2.0 < hi  # the medians' ratio, 2, lies inside
+
+
+def test_time_to_target_quartiles_match_numpy_and_sort_misses_last() -> None:
+    """The IQR column: numpy's linear percentiles where every run reached the target, and a
+    run that never did (inf) counts as slower than all that did."""
+    import math
+
+    import numpy as np
+
+    from bench.time_to_target import quartiles
+
+    xs = [3.0, 9.5, 1.2, 7.7, 4.4, 20.0, 2.5]
+    assert quartiles(xs) == pytest.approx(tuple(np.percentile(xs, [25, 50, 75])))
+    assert quartiles([1.0, 2.0, 3.0, math.inf]) == (1.75, 2.5, math.inf)
+    assert quartiles([math.inf] * 3) == (math.inf,) * 3
+
+
+def test_time_to_target_counts_only_feasible_hits_within_budget_per_target() -> None:
+    from bench.time_to_target import End, time_to_target
+
+    ends = [End(2.0, 2.40, False, 1.0), End(5.0, 2.49, True, 1.0), End(9.0, 2.41, True, 1.0)]
+    assert time_to_target(ends, 60.0, 2.5) == 5.0  # the infeasible 2.40 does not count
+    assert time_to_target(ends, 60.0, 2.45) == 9.0
+    assert time_to_target(ends, 8.0, 2.45) == math.inf
 
 
 def test_the_torch_func_baseline_trains_what_the_fused_model_trains() -> None:

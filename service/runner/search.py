@@ -73,6 +73,10 @@ def make_pruner(spec: StudySpec) -> optuna.pruners.BasePruner:
         )
     if p.kind == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=max(1, spec.base.eval_every))
+    if p.kind == "successive_halving":
+        # Asynchronous successive halving (ASHA's rule): a trial goes on past each rung
+        # (eval_every x 4^k steps) only while in the top quarter of the trials that got there.
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=max(1, spec.base.eval_every))
     return optuna.pruners.NopPruner()
 
 
