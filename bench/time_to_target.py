@@ -53,38 +53,97 @@ import httpx
 from bench._common import busy_note, load1, machine_line, say, table
 from bench.orchestration import post_and_wait, start_serve, stop_serve
 
-# 5th percentile of the feasible final_val_loss of `--calibrate`: 96 random trials (seed 0,
-# infeasible trials not stopped), 72 of them feasible, 2026-11-25 18:18 UTC on the 2-core
-# machine; fixed here before any run of the comparison. See bench/README.md.
-HARD = 2.475
-# 10th percentile of the same reference sweep, rerun 2026-11-26 18:31 UTC (73 of 96 feasible;
-# its 5th percentile came out 2.47497, HARD again), fixed before the 20-seed comparison: a
-# target most runs reach, so the time to it measures the search more than one lucky draw.
-COMMON = 2.504
-TARGETS = {"common": COMMON, "hard": HARD}
 CONCURRENCY = 2
-SPACE: dict[str, dict[str, Any]] = {
-    "optim.lr": {"type": "float", "low": 3e-4, "high": 3e-2, "log": True},
-    "model.qk_init_std": {"type": "float", "low": 0.02, "high": 1.5, "log": True},
-    "regularizer.lambda": {"type": "float", "low": 1e-4, "high": 1.0, "log": True},
+DATA_DIR = Path(os.environ.get("QKSCOPE_DATA_DIR") or Path(__file__).parents[2] / "shared/data")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One study to race on: its base config, knobs (all log-uniform floats), constraints
+    (what "stable" means), the two targets fixed beforehand, and plain Optuna's pruner."""
+
+    name: str
+    steps: int
+    space: dict[str, dict[str, Any]]
+    constraints: tuple[tuple[str, str, float], ...]  # (summary metric, ">=" or "<=", bound)
+    targets: dict[str, float]
+    optuna_pruner: str  # "median" or "successive_halving"
+
+    def base(self, steps: int, data_dir: str | None = None) -> dict[str, Any]:
+        """The trial config; `data_dir` is where the lm task reads (absolute for the peers,
+        relative to QKSCOPE_DATA_DIR for the service)."""
+        if self.name == "quickstart":
+            return {
+                "task": {"kind": "associative_recall", "seq_len": 24, "n_symbols": 16,
+                         "n_pairs": 6, "n_valid": 128},
+                "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64,
+                          "norm": "pre"},
+                "regularizer": {"kind": "locater", "target_mean": 0.0},
+                "optim": {"lr": 0.003, "warmup_steps": 10},
+                "batch_size": 32, "steps": steps, "eval_every": 50, "eval_batches": 2,
+                "device": "cpu", "dtype": "float32",
+            }  # fmt: skip
+        return {  # docs/instability.md's Llama-style block on wikitext-2, lr up to divergence
+            "task": {"kind": "lm", "data_dir": data_dir or str(DATA_DIR / "wikitext-2"),
+                     "train_split": "valid", "valid_split": "test", "tokenizer": "word",
+                     "vocab_cap": 500, "seq_len": 32},
+            "model": {"n_layers": 2, "n_heads": 2, "d_model": 64, "d_ff": 172, "norm": "pre",
+                      "norm_type": "rmsnorm", "position": "rotary", "mlp_type": "swiglu"},
+            "regularizer": {"kind": "none", "lambda": 0.0, "target_mean": 0.0},
+            "optim": {"name": "adamw", "lr": 0.001, "warmup_steps": 10, "schedule": "cosine",
+                      "weight_decay": 1e-4, "weight_decay_mode": "independent",
+                      "grad_clip": 1.0},
+            "batch_size": 8, "steps": steps, "eval_every": 20, "eval_batches": 2,
+            "device": "cpu", "dtype": "float32",
+        }  # fmt: skip
+
+    def feasible(self, summary: Any) -> bool:
+        return all(v <= 0 for v in self.violations(summary))
+
+    def violations(self, summary: Any) -> list[float]:
+        """Optuna's constraint values (feasible where <= 0); a missing metric violates."""
+        out = []
+        for metric, op, bound in self.constraints:
+            v = getattr(summary, metric, None)
+            if v is None or not math.isfinite(v):
+                out.append(1e9)
+            else:
+                out.append(bound - v if op == ">=" else v - bound)
+        return out
+
+
+WORKLOADS = {
+    "quickstart": Workload(
+        "quickstart",
+        steps=300,
+        space={
+            "optim.lr": {"type": "float", "low": 3e-4, "high": 3e-2, "log": True},
+            "model.qk_init_std": {"type": "float", "low": 0.02, "high": 1.5, "log": True},
+            "regularizer.lambda": {"type": "float", "low": 1e-4, "high": 1.0, "log": True},
+        },
+        constraints=(("min_norm_entropy", ">=", 0.1), ("final_rank_ratio", ">=", 0.05)),
+        # `hard`: the 5th percentile of the feasible final_val_loss of `--calibrate` (96
+        # random trials, seed 0, infeasible trials not stopped; 72 feasible), 2026-11-25
+        # 18:18 UTC. `common`: the 10th percentile of the same sweep rerun 2026-11-26 18:31
+        # UTC (73 of 96 feasible; its 5th percentile came out 2.47497 again), fixed before
+        # the 20-seed comparison: a target most runs reach, so the time to it measures the
+        # search more than one lucky draw. See bench/README.md.
+        targets={"common": 2.504, "hard": 2.475},
+        optuna_pruner="median",
+    ),
+    "llama": Workload(
+        "llama",
+        steps=100,
+        space={
+            "optim.lr": {"type": "float", "low": 1e-3, "high": 10.0, "log": True},
+            "optim.weight_decay": {"type": "float", "low": 1e-5, "high": 0.1, "log": True},
+            "z_loss_coef": {"type": "float", "low": 1e-6, "high": 0.1, "log": True},
+        },
+        constraints=(("min_norm_entropy_ever", ">=", 0.1), ("max_attn_logit_ever", "<=", 50.0)),
+        targets={"common": math.nan, "hard": math.nan},  # set by --calibrate, before any race
+        optuna_pruner="successive_halving",
+    ),
 }
-BOUNDS = {"min_norm_entropy": 0.1, "final_rank_ratio": 0.05}  # both ">="
-
-
-def base(steps: int) -> dict[str, Any]:
-    return {
-        "task": {"kind": "associative_recall", "seq_len": 24, "n_symbols": 16, "n_pairs": 6,
-                 "n_valid": 128},
-        "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64, "norm": "pre"},
-        "regularizer": {"kind": "locater", "target_mean": 0.0},
-        "optim": {"lr": 0.003, "warmup_steps": 10},
-        "batch_size": 32,
-        "steps": steps,
-        "eval_every": 50,
-        "eval_batches": 2,
-        "device": "cpu",
-        "dtype": "float32",
-    }  # fmt: skip
 
 
 @dataclass
@@ -97,37 +156,37 @@ class End:
     compute_s: float
 
 
-def feasible(summary: Any) -> bool:
-    return all((v := getattr(summary, k, None)) is not None and v >= b for k, b in BOUNDS.items())
-
-
 # ---- qkscope ------------------------------------------------------------------------------
 
 
 def run_qkscope(
     c: httpx.Client,
+    wl: Workload,
     seed: int,
     budget: float,
     steps: int,
     trials: int,
     pruner: str | None = None,
     fuse: int | None = None,
+    refill: bool = True,
 ) -> list[End]:
     body: dict[str, Any] = {
-        "name": f"ttt-{seed}",
-        "base": base(steps),
-        "search_space": SPACE,
+        "name": f"ttt-{wl.name}-{seed}",
+        "base": wl.base(steps, data_dir="wikitext-2"),  # relative to QKSCOPE_DATA_DIR
+        "search_space": wl.space,
         "sampler": {"kind": "tpe", "seed": seed, "n_startup_trials": 4},
         "budget": {"n_trials": trials, "timeout_s": budget},
         "parallelism": CONCURRENCY,
         "objectives": [{"metric": "final_val_loss", "direction": "minimize"}],
-        "constraints": [{"metric": k, "op": ">=", "value": v} for k, v in BOUNDS.items()],
+        "constraints": [{"metric": k, "op": op, "value": v} for k, op, v in wl.constraints],
         "resources": {"cpus": 1, "gpus": 0},
     }
     if pruner is not None:
         body["pruner"] = {"kind": pruner, "n_startup_trials": 2}
     if fuse is not None:
         body["fuse"] = fuse
+    if not refill:
+        body["refill"] = False
     t0 = time.time()
     _, _, items = post_and_wait(c, body, poll_s=0.2, cancel_at=t0 + budget)
     ends = []
@@ -144,18 +203,20 @@ def run_qkscope(
 # ---- plain Optuna -------------------------------------------------------------------------
 
 
-def _config(steps: int, params: dict[str, Any]) -> Any:
+def _config(wl: Workload, steps: int, params: dict[str, Any]) -> Any:
     from service.spec import apply_params
     from workers.config import TrialConfig
 
-    return apply_params(TrialConfig.model_validate(base(steps)), params)
+    return apply_params(TrialConfig.model_validate(wl.base(steps)), params)
 
 
-def _suggest(trial: Any) -> dict[str, float]:
-    return {k: trial.suggest_float(k, v["low"], v["high"], log=True) for k, v in SPACE.items()}
+def _suggest(wl: Workload, trial: Any) -> dict[str, float]:
+    return {k: trial.suggest_float(k, v["low"], v["high"], log=True) for k, v in wl.space.items()}
 
 
-def run_optuna(seed: int, budget: float, steps: int, trials: int) -> list[End]:
+def run_optuna(wl: Workload, seed: int, budget: float, steps: int, trials: int) -> list[End]:
+    """TPE with the constraints through `Trial.set_constraint` (Optuna 5) and the workload's
+    pruner, `n_jobs` threads in one process."""
     import optuna
     import torch
 
@@ -167,11 +228,8 @@ def run_optuna(seed: int, budget: float, steps: int, trials: int) -> list[End]:
     lock = threading.Lock()
     t0 = time.time()
 
-    def constraints(ft: Any) -> list[float]:
-        return list(ft.user_attrs.get("violations", [1.0, 1.0]))
-
     def objective(trial: Any) -> float:
-        cfg = _config(steps, _suggest(trial))
+        cfg = _config(wl, steps, _suggest(wl, trial))
 
         class Reporter:
             def report(self, step: int, metrics: list[Any], value: float | None) -> str | None:
@@ -181,19 +239,23 @@ def run_optuna(seed: int, budget: float, steps: int, trials: int) -> list[End]:
                 return "optuna pruner" if trial.should_prune() else None
 
         s = run_trial(cfg, Reporter())
-        ok = s.status == "completed" and feasible(s)
-        trial.set_user_attr("violations", [b - (getattr(s, k) or -1e9) for k, b in BOUNDS.items()])
+        ok = s.status == "completed" and wl.feasible(s)
+        for (metric, _, _), v in zip(wl.constraints, wl.violations(s), strict=True):
+            trial.set_constraint(metric, v)
         with lock:
             ends.append(End(time.time() - t0, s.final_val_loss, ok, s.wall_time_s))
         if s.status == "pruned":
             raise optuna.TrialPruned()
-        return float(s.final_val_loss if s.final_val_loss is not None else 1e9)
+        loss = s.final_val_loss
+        return float(loss) if loss is not None and math.isfinite(loss) else 1e9
 
+    pruner: optuna.pruners.BasePruner = (
+        optuna.pruners.MedianPruner(n_startup_trials=2)
+        if wl.optuna_pruner == "median"
+        else optuna.pruners.SuccessiveHalvingPruner(min_resource=wl.base(steps)["eval_every"])
+    )
     study = optuna.create_study(
-        sampler=optuna.samplers.TPESampler(
-            seed=seed, n_startup_trials=4, constraints_func=constraints
-        ),
-        pruner=optuna.pruners.MedianPruner(n_startup_trials=2),
+        sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=4), pruner=pruner
     )
     study.optimize(objective, n_trials=trials, n_jobs=CONCURRENCY, timeout=budget)
     return ends
@@ -209,7 +271,8 @@ def _tune_trainable(config: dict[str, Any]) -> None:
     from workers.trial import run_trial
 
     torch.set_num_threads(1)
-    cfg = _config(config["__steps"], {k: config[k] for k in SPACE})
+    wl = WORKLOADS[config.get("__workload", "quickstart")]
+    cfg = _config(wl, config["__steps"], {k: config[k] for k in wl.space})
 
     class Reporter:
         def report(self, step: int, metrics: list[Any], value: float | None) -> str | None:
@@ -219,18 +282,21 @@ def _tune_trainable(config: dict[str, Any]) -> None:
             return None
 
     s = run_trial(cfg, Reporter())
+    loss = s.final_val_loss
     tune.report(
         {
-            "final_val_loss": s.final_val_loss if s.final_val_loss is not None else 1e9,
+            "final_val_loss": loss if loss is not None and math.isfinite(loss) else 1e9,
             "step": s.steps_done + 1,  # after the last evaluation: the trial's result
             "done_at": time.time(),
-            "feasible": feasible(s) and s.status == "completed",
+            "feasible": wl.feasible(s) and s.status == "completed",
             "wall_time_s": s.wall_time_s,
         }
     )
 
 
-def run_tune(seed: int, budget: float, steps: int, trials: int, work: Path) -> list[End]:
+def run_tune(
+    wl: Workload, seed: int, budget: float, steps: int, trials: int, work: Path
+) -> list[End]:
     import optuna
     import ray
     from ray import tune
@@ -242,7 +308,7 @@ def run_tune(seed: int, budget: float, steps: int, trials: int, work: Path) -> l
     try:
         space = {
             k: optuna.distributions.FloatDistribution(v["low"], v["high"], log=True)
-            for k, v in SPACE.items()
+            for k, v in wl.space.items()
         }
         searcher = OptunaSearch(
             space=space,
@@ -251,11 +317,11 @@ def run_tune(seed: int, budget: float, steps: int, trials: int, work: Path) -> l
             sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=4),
         )
         asha = ASHAScheduler(
-            time_attr="step", max_t=steps + 1, grace_period=base(steps)["eval_every"]
+            time_attr="step", max_t=steps + 1, grace_period=wl.base(steps)["eval_every"]
         )
         tuner = tune.Tuner(
             tune.with_resources(_tune_trainable, {"cpu": 1}),
-            param_space={"__steps": steps},
+            param_space={"__steps": steps, "__workload": wl.name},
             tune_config=tune.TuneConfig(
                 search_alg=searcher,
                 scheduler=asha,
@@ -292,7 +358,7 @@ def run_tune(seed: int, budget: float, steps: int, trials: int, work: Path) -> l
 # ---- the figures -------------------------------------------------------------------------
 
 
-def time_to_target(ends: list[End], budget: float = math.inf, target: float = HARD) -> float:
+def time_to_target(ends: list[End], budget: float, target: float) -> float:
     """Seconds to the first feasible trial at or below `target` (inf: none within budget)."""
     hits = [
         e.at
@@ -329,15 +395,15 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q(0.25), q(0.5), q(0.75)
 
 
-def summarize(name: str, runs: list[list[End]], budget: float) -> list[Any]:
+def summarize(name: str, runs: list[list[End]], budget: float, wl: Workload) -> list[Any]:
     bests = [b for r in runs if (b := best_at(r, budget)) is not None]
     per_hour = [3600 * len([e for e in r if e.at <= budget]) / budget for r in runs]
     first = [min((e.at for e in r), default=math.inf) for r in runs]
     row: list[Any] = [name, statistics.median(first)]
-    for target in TARGETS.values():
-        lo, mid, hi = quartiles([time_to_target(r, budget, target) for r in runs])
-        reached = sum(math.isfinite(time_to_target(r, budget, target)) for r in runs)
-        row += [mid, f"{lo:.1f}-{hi:.1f}", f"{reached}/{len(runs)}"]
+    for target in wl.targets.values():
+        times = [time_to_target(r, budget, target) for r in runs]
+        lo, mid, hi = quartiles(times)
+        row += [mid, f"{lo:.1f}-{hi:.1f}", f"{sum(math.isfinite(t) for t in times)}/{len(runs)}"]
     return row + [
         statistics.median(bests) if bests else None,
         statistics.median(per_hour),
@@ -370,22 +436,26 @@ def ratio_line(ours: str, peer: str, a: list[float], b: list[float]) -> str:
     return f"{ours} vs {peer}: {ratio:.2f}x faster to target (95 % bootstrap {lo:.2f}-{hi:.2f}x)"
 
 
-def calibrate(trials: int, steps: int) -> int:
+def serve_env() -> dict[str, str]:
+    return {"QKSCOPE_DATA_DIR": str(DATA_DIR)}
+
+
+def calibrate(wl: Workload, trials: int, steps: int) -> int:
     """The targets: the 5th and 10th percentiles of feasible final losses of a random study."""
     with tempfile.TemporaryDirectory(prefix="qkscope-ttt-cal-") as tmp:
-        head, proc, api, _ = start_serve(Path(tmp), CONCURRENCY)
+        head, proc, api, _ = start_serve(Path(tmp), CONCURRENCY, serve_env())
         try:
             with httpx.Client(base_url=api, timeout=60) as c:
                 body = {
-                    "name": "ttt-calibrate",
-                    "base": base(steps),
-                    "search_space": SPACE,
+                    "name": f"ttt-calibrate-{wl.name}",
+                    "base": wl.base(steps, data_dir="wikitext-2"),
+                    "search_space": wl.space,
                     "sampler": {"kind": "random", "seed": 0},
                     "pruner": {"kind": "none", "stop_infeasible": False},
                     "budget": {"n_trials": trials},
                     "parallelism": CONCURRENCY,
                     "constraints": [
-                        {"metric": k, "op": ">=", "value": v} for k, v in BOUNDS.items()
+                        {"metric": k, "op": op, "value": v} for k, op, v in wl.constraints
                     ],
                 }
                 _, wall, items = post_and_wait(c, body, poll_s=0.5)
@@ -394,38 +464,47 @@ def calibrate(trials: int, steps: int) -> int:
     vals = sorted(t["value"] for t in items if t["feasible"] and t["value"] is not None)
     qs = {p: vals[max(0, math.ceil(p / 100 * len(vals)) - 1)] if vals else None for p in (5, 10)}
     print(f"{trials} random trials ({wall:.0f} s), {len(vals)} feasible; percentiles {qs}")
+    print("states:", {s: sum(t["state"] == s for t in items) for s in {t["state"] for t in items}})
     print("feasible values:", " ".join(f"{v:.4f}" for v in vals))
     return 0
 
 
-def pick(name: str, seed: int, args: argparse.Namespace, serve: Any, tmp: Path) -> list[End]:
+def pick(
+    name: str, wl: Workload, seed: int, args: argparse.Namespace, serve: Any, tmp: Path
+) -> list[End]:
     """One run of one line of the comparison."""
     if name.startswith("qkscope"):
         pruner = {"qkscope-median": "median", "qkscope-sh": "successive_halving"}.get(name)
         fuse = int(name.split("-fuse")[1]) if "-fuse" in name else None
         with httpx.Client(base_url=serve[2], timeout=60) as c:
-            return run_qkscope(c, seed, args.budget, args.steps, args.trials, pruner, fuse)
+            return run_qkscope(
+                c, wl, seed, args.budget, args.steps, args.trials, pruner, fuse,
+                refill=name != "qkscope-fixed",
+            )  # fmt: skip
     if name == "optuna":
-        return run_optuna(seed, args.budget, args.steps, args.trials)
-    return run_tune(seed, args.budget, args.steps, args.trials, tmp)
+        return run_optuna(wl, seed, args.budget, args.steps, args.trials)
+    return run_tune(wl, seed, args.budget, args.steps, args.trials, tmp)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="quickstart")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--first-seed", type=int, default=0, help="seeds first-seed.. (more runs)")
     p.add_argument("--budget", type=float, default=45.0, help="wall seconds per run")
     p.add_argument("--trials", type=int, default=1000, help="at most this many per run")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, help="steps per trial (the workload's by default)")
     p.add_argument("--only", default="qkscope,optuna,tune")
     p.add_argument("--json", type=Path, help="write every run's trial ends here")
     p.add_argument("--calibrate", action="store_true")
-    p.add_argument("--quick", action="store_true", help="2 seeds, 40 s budgets, 100 steps")
+    p.add_argument("--quick", action="store_true", help="2 seeds, 40 s budgets, 1/3 the steps")
     args = p.parse_args(argv)
+    wl = WORKLOADS[args.workload]
+    args.steps = args.steps or wl.steps
     if args.calibrate:
-        return calibrate(96 if args.trials == 1000 else args.trials, args.steps)
+        return calibrate(wl, 96 if args.trials == 1000 else args.trials, args.steps)
     if args.quick:
-        args.seeds, args.budget, args.steps = 2, 40.0, 100
+        args.seeds, args.budget, args.steps = 2, 40.0, max(20, wl.steps // 3)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     say(machine_line())
     load0 = load1()
@@ -435,16 +514,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="qkscope-ttt-") as tmp:
         (Path(tmp) / "serve").mkdir()
         wants_serve = any(n.startswith("qkscope") for n in names)
-        serve = start_serve(Path(tmp) / "serve", CONCURRENCY) if wants_serve else None
+        serve = start_serve(Path(tmp) / "serve", CONCURRENCY, serve_env()) if wants_serve else None
         try:
             for i, seed in enumerate(seeds):
                 # interleaved, each seed runs every line; the order rotates with the seed so
                 # no line always runs first (on a cold cache) or right after Ray Tune
                 for name in names[i % len(names) :] + names[: i % len(names)]:
-                    r = pick(name, seed, args, serve, Path(tmp))
+                    r = pick(name, wl, seed, args, serve, Path(tmp))
                     runs[name].append(r)
                     hits = ", ".join(
-                        f"{k} {time_to_target(r, args.budget, t):.1f} s" for k, t in TARGETS.items()
+                        f"{k} {time_to_target(r, args.budget, t):.1f} s"
+                        for k, t in wl.targets.items()
                     )
                     say(f"  seed {seed} {name}: {len(r)} trials, to target {hits}")
         finally:
@@ -452,23 +532,24 @@ def main(argv: list[str] | None = None) -> int:
                 stop_serve(serve[0], serve[1])
     if args.json:
         args.json.write_text(
-            json.dumps({"seeds": seeds, "budget": args.budget, "targets": TARGETS,
+            json.dumps({"workload": wl.name, "seeds": seeds, "budget": args.budget,
+                        "targets": wl.targets,
                         "runs": {n: [[vars(e) for e in r] for r in rs] for n, rs in runs.items()}})
         )  # fmt: skip
     print(f"time_to_target: {machine_line()}")
-    targets = ", ".join(f"{k} {v}" for k, v in TARGETS.items())
+    targets = ", ".join(f"{k} {v}" for k, v in wl.targets.items())
     print(
-        f"targets (feasible final_val_loss at or below): {targets}; seeds {seeds[0]}-"
-        f"{seeds[-1]}, {args.budget:.0f} s per run, concurrency {CONCURRENCY}, "
+        f"workload {wl.name}; targets (feasible final_val_loss at or below): {targets}; seeds "
+        f"{seeds[0]}-{seeds[-1]}, {args.budget:.0f} s per run, concurrency {CONCURRENCY}, "
         f"{args.steps} steps per trial"
     )
     header = ["framework", "first trial ended s (median)"]
-    for k in TARGETS:
+    for k in wl.targets:
         header += [f"to {k} s (median)", f"{k} IQR", f"{k} reached"]
     header += ["best feasible at budget", "trials/hour", "compute on trials not ending feasible"]
-    print(table(header, [summarize(n, runs[n], args.budget) for n in names]))
+    print(table(header, [summarize(n, runs[n], args.budget, wl) for n in names]))
     peers = [n for n in names if not n.startswith("qkscope")]
-    for k, target in TARGETS.items():
+    for k, target in wl.targets.items():
         hit = {n: [time_to_target(r, args.budget, target) for r in runs[n]] for n in names}
         print(f"target {k} ({target}):")
         for q in (n for n in names if n.startswith("qkscope")):
