@@ -100,6 +100,23 @@ def test_time_to_target_counts_only_feasible_hits_within_budget_per_target() -> 
     assert time_to_target(ends, 8.0, 2.45) == math.inf
 
 
+def test_time_to_target_workloads_read_their_constraints_as_optuna_does() -> None:
+    """A constraint value is <= 0 exactly where the bound holds, for both directions; a
+    metric the trial never reported (or a non-finite one) is a violation."""
+    from types import SimpleNamespace
+
+    from bench.time_to_target import WORKLOADS
+
+    wl = WORKLOADS["llama"]  # min_norm_entropy_ever >= 0.1, max_attn_logit_ever <= 50
+    ok = SimpleNamespace(min_norm_entropy_ever=0.3, max_attn_logit_ever=12.0)
+    assert wl.violations(ok) == pytest.approx([-0.2, -38.0]) and wl.feasible(ok)
+    hot = SimpleNamespace(min_norm_entropy_ever=0.3, max_attn_logit_ever=3.8e6)
+    assert wl.violations(hot)[1] > 0 and not wl.feasible(hot)
+    gone = SimpleNamespace(min_norm_entropy_ever=None, max_attn_logit_ever=math.nan)
+    assert min(wl.violations(gone)) > 0 and not wl.feasible(gone)
+    assert set(WORKLOADS["quickstart"].targets) == set(wl.targets) == {"common", "hard"}
+
+
 def test_the_torch_func_baseline_trains_what_the_fused_model_trains() -> None:
     """bench.func_baseline compares two forms of one program: from the same weights and
     batches, the vmap(functional_call) ensemble and qkscope's fused model give the same
