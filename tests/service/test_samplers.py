@@ -43,7 +43,9 @@ def test_sampler_runs_ask_tell_with_constraints(kind: str) -> None:
     ]
 
 
-@pytest.mark.parametrize("kind", ["none", "median", "percentile", "hyperband", "successive_halving"])
+@pytest.mark.parametrize(
+    "kind", ["none", "median", "percentile", "hyperband", "successive_halving"]
+)
 def test_pruner_kinds_build_and_answer(kind: str) -> None:
     spec = StudySpec.model_validate(
         {"name": "p", "budget": {"n_trials": 1}, "pruner": {"kind": kind}}
