@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -74,33 +75,15 @@ class Workload:
     targets: dict[str, float]
     optuna_pruner: str  # "median" or "successive_halving"
 
+    config: dict[str, Any]  # the trial config, less `steps`
+
     def base(self, steps: int, data_dir: str | None = None) -> dict[str, Any]:
-        """The trial config; `data_dir` is where the lm task reads (absolute for the peers,
-        relative to QKSCOPE_DATA_DIR for the service)."""
-        if self.name == "quickstart":
-            return {
-                "task": {"kind": "associative_recall", "seq_len": 24, "n_symbols": 16,
-                         "n_pairs": 6, "n_valid": 128},
-                "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64,
-                          "norm": "pre"},
-                "regularizer": {"kind": "locater", "target_mean": 0.0},
-                "optim": {"lr": 0.003, "warmup_steps": 10},
-                "batch_size": 32, "steps": steps, "eval_every": 50, "eval_batches": 2,
-                "device": "cpu", "dtype": "float32",
-            }  # fmt: skip
-        return {  # docs/instability.md's Llama-style block on wikitext-2, lr up to divergence
-            "task": {"kind": "lm", "data_dir": data_dir or str(DATA_DIR / "wikitext-2"),
-                     "train_split": "valid", "valid_split": "test", "tokenizer": "word",
-                     "vocab_cap": 500, "seq_len": 32},
-            "model": {"n_layers": 2, "n_heads": 2, "d_model": 64, "d_ff": 172, "norm": "pre",
-                      "norm_type": "rmsnorm", "position": "rotary", "mlp_type": "swiglu"},
-            "regularizer": {"kind": "none", "lambda": 0.0, "target_mean": 0.0},
-            "optim": {"name": "adamw", "lr": 0.001, "warmup_steps": 10, "schedule": "cosine",
-                      "weight_decay": 1e-4, "weight_decay_mode": "independent",
-                      "grad_clip": 1.0},
-            "batch_size": 8, "steps": steps, "eval_every": 20, "eval_batches": 2,
-            "device": "cpu", "dtype": "float32",
-        }  # fmt: skip
+        """The trial config at `steps`; an lm task reads `data_dir` when given (relative to
+        QKSCOPE_DATA_DIR for the service), else its absolute path (for the peers)."""
+        out = copy.deepcopy(self.config) | {"steps": steps}
+        if data_dir is not None and "data_dir" in out["task"]:
+            out["task"]["data_dir"] = data_dir
+        return out
 
     def feasible(self, summary: Any) -> bool:
         return all(v <= 0 for v in self.violations(summary))
@@ -135,6 +118,23 @@ WORKLOADS = {
         # search more than one lucky draw. See bench/README.md.
         targets={"common": 2.504, "hard": 2.475},
         optuna_pruner="median",
+        config={
+            "task": {
+                "kind": "associative_recall",
+                "seq_len": 24,
+                "n_symbols": 16,
+                "n_pairs": 6,
+                "n_valid": 128,
+            },
+            "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64, "norm": "pre"},
+            "regularizer": {"kind": "locater", "target_mean": 0.0},
+            "optim": {"lr": 0.003, "warmup_steps": 10},
+            "batch_size": 32,
+            "eval_every": 50,
+            "eval_batches": 2,
+            "device": "cpu",
+            "dtype": "float32",
+        },  # fmt: skip
     ),
     "llama": Workload(
         "llama",
@@ -150,6 +150,42 @@ WORKLOADS = {
         # the comparison ran
         targets={"common": 3.4696, "hard": 3.4474},
         optuna_pruner="successive_halving",
+        config={  # docs/instability.md's Llama-style block on wikitext-2
+            "task": {
+                "kind": "lm",
+                "data_dir": str(DATA_DIR / "wikitext-2"),
+                "train_split": "valid",
+                "valid_split": "test",
+                "tokenizer": "word",
+                "vocab_cap": 500,
+                "seq_len": 32,
+            },
+            "model": {
+                "n_layers": 2,
+                "n_heads": 2,
+                "d_model": 64,
+                "d_ff": 172,
+                "norm": "pre",
+                "norm_type": "rmsnorm",
+                "position": "rotary",
+                "mlp_type": "swiglu",
+            },
+            "regularizer": {"kind": "none", "lambda": 0.0, "target_mean": 0.0},
+            "optim": {
+                "name": "adamw",
+                "lr": 0.001,
+                "warmup_steps": 10,
+                "schedule": "cosine",
+                "weight_decay": 1e-4,
+                "weight_decay_mode": "independent",
+                "grad_clip": 1.0,
+            },
+            "batch_size": 8,
+            "eval_every": 20,
+            "eval_batches": 2,
+            "device": "cpu",
+            "dtype": "float32",
+        },  # fmt: skip
     ),
 }
 
