@@ -201,8 +201,12 @@ class RayHead:
         import subprocess
         from pathlib import Path
 
+        from service.control.ray_cluster import IDLE_WORKERS_KEPT
+
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(self.env())
+        # as the head `qkscope serve` starts (service/control/ray_cluster.py)
+        env["RAY_num_workers_soft_limit"] = str(self.num_cpus + IDLE_WORKERS_KEPT)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         ray_bin = shutil.which("ray", path=env["PATH"]) or "ray"
         cmd = [

@@ -20,6 +20,7 @@ from service.api.ops import install_ops
 from service.config import Settings, get_settings
 from service.control.db_health import DatabaseHealth, watch_database
 from service.control.reconciler import LauncherSlot, reconcile_forever
+from service.control.standby import retire_standbys
 from service.read import prom
 from service.read.importance import ImportanceCache
 from service.store import Store, make_engine, make_reader, make_sessionmaker, ping, upgrade_schema
@@ -63,6 +64,9 @@ def _lifespan(
                     t.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await t
+            if reconcile_loop:  # the standbys this loop kept: their runners exit
+                with contextlib.suppress(Exception):
+                    await run_in_threadpool(retire_standbys, app.state.store)
             await run_in_threadpool(engine.dispose)
 
     return lifespan

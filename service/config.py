@@ -43,6 +43,12 @@ class Settings(BaseSettings):
     checkpoint_dir: str = ""  # shared storage for trial checkpoints; empty: home/checkpoints
     api_url: str = "http://127.0.0.1:8000"  # where the CLI finds the API (QKSCOPE_API_URL)
     reconcile_interval_s: float = Field(10.0, gt=0.0)
+    # Standby runners kept while no study runs: a runner job started ahead for the next POST,
+    # with Optuna's storage, its inbox and `standby_workers` worker processes warm, so the
+    # study's first step comes within about a second (service/control/standby.py). 0: none,
+    # every study starts its own job cold (5 to 8 s before its first step on 2 cores).
+    standby: int = Field(1, ge=0, le=8)
+    standby_workers: int = Field(2, ge=1, le=64)
     # How often `qkscope serve` checks that its embedded Ray head still runs (and restarts it).
     head_check_interval_s: float = Field(5.0, gt=0.0)
     # Refuse studies whose resources no alive Ray node has (turn off for autoscaling clusters,

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.api.errors import ApiError
 from service.config import Settings
 from service.control.ray_cluster import JobLauncher
-from service.store import Store, Study, Trial, session_scope
+from service.store import STANDBY, Store, Study, Trial, session_scope
 
 __all__ = [
     "MAX_ID",
@@ -86,7 +86,7 @@ _Row = TypeVar("_Row", Study, Trial)
 def _row_or_404(session: Session, model: type[_Row], row_id: int) -> _Row:
     """The row `row_id` of `model`, or the API's 404 naming it."""
     row = session.get(model, row_id)
-    if row is None:
+    if row is None or (isinstance(row, Study) and row.status == STANDBY):  # a reserved id
         what = "study" if model is Study else "trial"
         raise ApiError(404, "not_found", f"{what} {row_id} does not exist")
     return row

@@ -34,7 +34,15 @@ from service.errors import InvalidField
 from service.read import queries
 from service.resources import unmet
 from service.spec import StudySpec, check_data_dirs, check_limits, parse_spec
-from service.store import Store, Study, StudyStatus, Trial, TrialState, session_scope
+from service.store import (
+    STANDBY,
+    Store,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialState,
+    session_scope,
+)
 
 __all__ = ["router"]
 
@@ -209,7 +217,7 @@ def list_studies(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Offset = 0,
 ) -> Page[StudyOut]:
-    q = select(Study)
+    q = select(Study).where(Study.status != STANDBY)  # a standby is no study (store/standbys.py)
     if status_:
         if status_.upper() not in StudyStatus.__members__:
             raise ApiError(

@@ -16,7 +16,7 @@ from service.config import Settings
 from service.control.ray_cluster import JOB_SERVER_TIMEOUT_S, JobLauncher, job_id_for
 from service.store import Store, StudyStatus, TrialState, optuna_storage, utcnow
 
-__all__ = ["close_leftovers", "launch_study", "reconcile", "runner_env"]
+__all__ = ["close_leftovers", "launch_study", "maybe_accepted", "reconcile", "runner_env"]
 
 log = logging.getLogger(__name__)
 ALIVE = ("PENDING", "RUNNING")
@@ -61,13 +61,13 @@ def launch_study(
     try:
         launcher.submit_study(study_id, attempt, runner_env(settings), job_id)
     except Exception as e:
-        if not _maybe_accepted(e):  # refused: it must not count against max_job_attempts
+        if not maybe_accepted(e):  # refused: it must not count against max_job_attempts
             store.studies.unclaim_launch(study_id, previous.ray_job_id if previous else None)
         raise  # else Ray may have accepted it: the recorded id finds it in the next round
     return job_id
 
 
-def _maybe_accepted(e: BaseException) -> bool:
+def maybe_accepted(e: BaseException) -> bool:
     """Whether the job server may have accepted a submission that raised `e`: the request
     went out and no answer came back (a read timeout), as opposed to a refusal or a
     connection that never opened."""

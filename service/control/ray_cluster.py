@@ -28,6 +28,7 @@ from typing import Any
 __all__ = ["JobLauncher", "LocalRayHead", "job_id_for", "pid_alive", "ray_token"]
 
 HEAD_STATE = "ray-head.json"
+IDLE_WORKERS_KEPT = 4  # worker processes a node keeps beyond its CPUs (standbys' warm ones)
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,11 @@ class LocalRayHead:
         env = dict(os.environ)
         # The job entrypoint runs `python -m service.runner`: make that this interpreter.
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        # Ray kills idle worker processes once a node has more than its CPUs' worth: while a
+        # study trains on every core, a standby's warm workers would go, torch with them
+        # (service/runner/standby.py). Room for a few more keeps them (memory, not CPU).
+        cpus = self.num_cpus or os.cpu_count() or 1
+        env.setdefault("RAY_num_workers_soft_limit", str(cpus + IDLE_WORKERS_KEPT))
         ray_bin = shutil.which("ray", path=env["PATH"]) or "ray"
         cmd = [
             ray_bin,

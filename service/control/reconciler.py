@@ -1,5 +1,6 @@
 """The API process's background control loop: the Ray job client, connected lazily, and the
-reconciler that launches PENDING studies and relaunches RUNNING ones whose job died."""
+reconciler that launches PENDING studies and relaunches RUNNING ones whose job died, then
+keeps the standby runners (service/control/standby.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from service.config import Settings
 from service.control.launch import reconcile
 from service.control.ray_cluster import JobLauncher
+from service.control.standby import keep_standbys
 from service.store import Store
 
 __all__ = ["LauncherSlot", "reconcile_forever"]
@@ -63,5 +65,9 @@ async def reconcile_forever(
                 await run_in_threadpool(reconcile, store, launcher, settings)
             except Exception:
                 log.exception("reconcile failed")
+            try:
+                await run_in_threadpool(keep_standbys, store, launcher, settings)
+            except Exception:
+                log.exception("keeping standby runners failed")
         rounds.inc()
         await asyncio.sleep(settings.reconcile_interval_s)

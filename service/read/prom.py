@@ -10,12 +10,15 @@ jobs) that write trials. Exposed at `GET /metrics` (bearer token, like the API).
   finished trials (every state but QUEUED and RUNNING, trials with a duration)
 - `qkscope_metric_rows_written_total`: metric rows stored by finished trials (counter:
   the sum of `qk_trial.metric_rows`, which the runner sets when a trial finishes)
+- `qkscope_standby_runners{state}`: standby runners (service/control/standby.py), `ready`
+  (warm and claimable: a fresh heartbeat) or `starting` (gauge)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
@@ -29,7 +32,17 @@ from prometheus_client.exposition import choose_encoder
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.store import OPEN_TRIAL_STATES, Study, StudyStatus, Trial, TrialState, session_scope
+from service.store import (
+    OPEN_TRIAL_STATES,
+    STANDBY,
+    STANDBY_STALE_S,
+    Study,
+    StudyStatus,
+    Trial,
+    TrialState,
+    session_scope,
+    utcnow,
+)
 
 __all__ = [
     "DURATION_BUCKETS",
@@ -56,7 +69,7 @@ class DatabaseCollector:
         self._sessions = sessions  # resolved at scrape time: the app makes it in lifespan
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
-                                 CounterMetricFamily]:  # fmt: skip
+                                 CounterMetricFamily, GaugeMetricFamily]:  # fmt: skip
         return (
             GaugeMetricFamily("qkscope_studies", "Studies by status.", labels=["status"]),
             GaugeMetricFamily("qkscope_trials", "Trials by state.", labels=["state"]),
@@ -69,6 +82,11 @@ class DatabaseCollector:
                 "qkscope_metric_rows_written",
                 "Metric rows stored by finished trials (sum of qk_trial.metric_rows).",
             ),
+            GaugeMetricFamily(
+                "qkscope_standby_runners",
+                "Standby runner jobs: ready (warm, claimable by the next POST) or starting.",
+                labels=["state"],
+            ),
         )
 
     def describe(self) -> Iterable[Metric]:
@@ -76,7 +94,7 @@ class DatabaseCollector:
         return list(self._families())
 
     def collect(self) -> Iterable[Metric]:
-        studies, trials, durations, rows = self._families()
+        studies, trials, durations, rows, standbys = self._families()
         with session_scope(self._sessions()) as s:
             by_status = dict(
                 s.execute(select(Study.status, func.count()).group_by(Study.status)).all()
@@ -99,6 +117,11 @@ class DatabaseCollector:
                 ).all()
             }
             written = s.scalar(select(func.coalesce(func.sum(Trial.metric_rows), 0)))
+            fresh = utcnow() - timedelta(seconds=STANDBY_STALE_S)
+            ready = func.sum(case((Study.started_at >= fresh, 1), else_=0))
+            n_standby, n_ready = s.execute(
+                select(func.count(), ready).where(Study.status == STANDBY)
+            ).one()
         for st in StudyStatus:
             studies.add_metric([st.value], float(by_status.get(st.value, 0)))
         for ts in TrialState:
@@ -109,7 +132,9 @@ class DatabaseCollector:
             buckets.append(("+Inf", float(count or 0)))
             durations.add_metric([state], buckets, sum_value=float(total or 0.0))
         rows.add_metric([], float(written or 0))
-        return [studies, trials, durations, rows]
+        standbys.add_metric(["ready"], float(n_ready or 0))
+        standbys.add_metric(["starting"], float((n_standby or 0) - (n_ready or 0)))
+        return [studies, trials, durations, rows, standbys]
 
 
 def make_registry(sessions: Callable[[], sessionmaker[Session]]) -> CollectorRegistry:

@@ -28,6 +28,7 @@ import ray
 
 from service.config import Settings, get_settings
 from service.runner.loop import StudyRunner
+from service.runner.standby import Warm, is_standby, stand_by
 from service.store import (
     Fence,
     Store,
@@ -53,16 +54,23 @@ SUPERSEDED_EXIT = 3  # the job's exit status when a newer attempt of its study t
 
 def run_study(
     study_id: int, settings: Settings | None = None, attempt: int | None = None
-) -> StudyStatus:
+) -> StudyStatus | None:
     """Run (or resume) one study to its end as job attempt `attempt` (None: the study's
-    current one); the study row records the outcome. Raises `Superseded` when another
-    attempt took the study over (nothing written, the study left to that attempt)."""
+    current one); the study row records the outcome. A standby row (service/runner/standby.py)
+    is waited on first: None when it was retired before a study claimed it. Raises
+    `Superseded` when another attempt took the study over (nothing written, the study left
+    to that attempt)."""
     settings = settings or get_settings()
     engine = make_engine(settings.resolved_database_url())
     runner = None
     try:
         with outage_window(settings.db_outage_s):
-            runner = _build(study_id, settings, engine, attempt)
+            warm = None
+            if is_standby(study_id, engine):  # wait for a POST to claim it
+                warm = stand_by(study_id, settings, engine)
+                if warm is None:
+                    return None  # retired before any study claimed it
+            runner = _build(study_id, settings, engine, attempt, warm)
             return runner.run()
     except Superseded as e:
         # Another runner owns the study now: stop this one's workers and leave every row
@@ -95,7 +103,9 @@ def run_study(
         engine.dispose()
 
 
-def _build(study_id: int, settings: Settings, engine: Engine, attempt: int | None) -> StudyRunner:
+def _build(
+    study_id: int, settings: Settings, engine: Engine, attempt: int | None, warm: Warm | None
+) -> StudyRunner:
     """The study's runner. A failure to build it (a stored definition this code refuses, a
     sampler Optuna cannot make, a grid that does not fit in memory) fails the study once,
     with the reason: a relaunch would fail the same way, `QKSCOPE_MAX_JOB_ATTEMPTS` times.
@@ -103,7 +113,8 @@ def _build(study_id: int, settings: Settings, engine: Engine, attempt: int | Non
     it is, for the reconciler to launch again."""
     try:
         return with_retry(
-            lambda: StudyRunner(study_id, settings, engine, attempt), "start the study's runner"
+            lambda: StudyRunner(study_id, settings, engine, attempt, warm),
+            "start the study's runner",
         )
     except Exception as e:
         if not isinstance(e, Superseded) and not is_weather(e):
@@ -154,5 +165,5 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"study {args[0]}: database unreachable, left RUNNING ({e})", file=sys.stderr)
         return EXIT_DATABASE_AWAY
-    print(f"study {args[0]}: {status}")
+    print(f"study {args[0]}: {status or 'standby retired'}")
     return 0 if status != StudyStatus.FAILED else 1

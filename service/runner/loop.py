@@ -36,6 +36,7 @@ from service.runner.reports import Reports
 from service.runner.results import judge, judge_stored, result_row
 from service.runner.scheduler import FLUSH_TIMEOUT_S, Scheduler
 from service.runner.search import Search
+from service.runner.standby import Warm
 from service.runner.waiting import WaitingReason
 from service.spec import SpecError, StudySpec
 from service.store import (
@@ -65,10 +66,16 @@ class StudyRunner:
     """One study's control loop. All database, Optuna and Ray calls happen on this thread."""
 
     def __init__(
-        self, study_id: int, settings: Settings, engine: Engine, attempt: int | None = None
+        self,
+        study_id: int,
+        settings: Settings,
+        engine: Engine,
+        attempt: int | None = None,
+        warm: Warm | None = None,
     ) -> None:
         """`attempt`: the job attempt this runner was launched as (the entrypoint's); None
-        (run by hand): the study's current one."""
+        (run by hand): the study's current one. `warm`: what a standby prepared (its Optuna
+        storage and inbox), taken over instead of making them."""
         self.study_id, self.settings = study_id, settings
         reader = Store(make_sessionmaker(engine))  # unfenced: it only reads the study row
         row = reader.studies.get(study_id)
@@ -82,7 +89,8 @@ class StudyRunner:
         self.store = Store(reader.sessions, Fence(study_id, self.attempt))
         # whose checkpoints: a new study with the same id (a reset database) is another
         self.owner = f"study-{study_id}@{row.created_at.isoformat()}"
-        self.storage = optuna_storage(settings.resolved_database_url())
+        self.warm = warm
+        self.storage = warm.storage if warm else optuna_storage(settings.resolved_database_url())
         self.search = Search(self.spec, study_id, self.storage)
         self.waiting = WaitingReason(self.spec, self.store.studies, study_id)
 
@@ -92,7 +100,8 @@ class StudyRunner:
         if self.status in TERMINAL:
             return self.status
         self.store.studies.set_status(self.study_id, StudyStatus.RUNNING)
-        self.pool = RayPool(self.spec, self.settings.inbox_max_messages)
+        inbox = (self.warm.inbox, self.warm.inbox_workers) if self.warm else None
+        self.pool = RayPool(self.spec, self.settings.inbox_max_messages, inbox=inbox)
         self.scheduler = Scheduler(self.spec, self.study_id, self.pool)
         self.reports = Reports(self.spec, self.store.trials, self.search, self.pool.stop_trial)
         try:

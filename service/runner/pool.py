@@ -31,7 +31,7 @@ from workers.inbox import MAX_MESSAGES, STREAM_AHEAD, TrialInboxActor, max_concu
 from workers.messages import Assignment, Batch, WorkerDone, WorkerOutOfMemory
 from workers.slot_worker import run_slot_worker_task
 
-__all__ = ["FENCE_TIMEOUT_S", "Ended", "RayPool", "out_of_memory"]
+__all__ = ["FENCE_TIMEOUT_S", "Ended", "RayPool", "make_inbox", "out_of_memory"]
 
 log = logging.getLogger("qkscope.runner")
 _worker_task = ray.remote(run_slot_worker_task)
@@ -60,6 +60,17 @@ def out_of_memory(error: BaseException) -> bool:
     return isinstance(cause, WorkerOutOfMemory)
 
 
+def make_inbox(workers: int, max_messages: int = MAX_MESSAGES) -> Any:
+    """A study's inbox actor, for up to `workers` slot workers. It lives on the runner's node:
+    it shares the runner's fate, never a worker's. It holds at most `max_messages`
+    (QKSCOPE_INBOX_MAX_MESSAGES); more wait for room."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    calls = max_concurrency(workers, MAX_FUSE)
+    return TrialInboxActor.options(scheduling_strategy=here, max_concurrency=calls).remote(
+        max_messages
+    )
+
+
 @dataclass(slots=True)
 class _Fence:
     """Workers that ended, held back until the stream has yielded `upto` batches: then
@@ -81,17 +92,18 @@ class RayPool:
         spec: StudySpec,
         max_messages: int = MAX_MESSAGES,
         fence_timeout_s: float = FENCE_TIMEOUT_S,
+        inbox: tuple[Any, int] | None = None,
     ) -> None:
+        """`inbox`: an inbox actor made ahead (a standby's, `make_inbox`) and the parallelism
+        it was made for; used when that covers the study's, else replaced by a new one."""
         self.spec = spec
         self.fence_timeout_s = fence_timeout_s
-        # The inbox lives on the runner's node: it shares the runner's fate, never a worker's.
-        # It holds at most `max_messages` (QKSCOPE_INBOX_MAX_MESSAGES); more wait for room.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        calls = max_concurrency(spec.parallelism, MAX_FUSE)
-        inbox: Any = TrialInboxActor.options(
-            scheduling_strategy=here, max_concurrency=calls
-        ).remote(max_messages)
-        self.inbox = inbox
+        if inbox is not None and inbox[1] >= spec.parallelism:
+            self.inbox = inbox[0]
+        else:
+            if inbox is not None:
+                ray.kill(inbox[0])
+            self.inbox = make_inbox(spec.parallelism, max_messages)
         # One streaming call for the study's whole life: a batch whenever workers said
         # anything, at most STREAM_AHEAD of them waiting for this runner to read them.
         self._stream = self.inbox.stream.options(

@@ -18,6 +18,10 @@ Contract (tests/service/store/test_contract.py runs it on SQLite and PostgreSQL)
   lost try committed.
 - **Launches are claimed.** A runner-job attempt is claimed against the attempts the caller
   saw, and its job id is recorded before the job is submitted.
+- **Standbys are claimed once.** A POST turns at most one standby row (a reserved id whose
+  runner job waits, service/store/standbys.py) into its study, and only a row still in
+  STANDBY whose runner's heartbeat is fresh; a standby row is never LIVE and is deleted only
+  while still a standby.
 - **Runners are fenced.** A store made with a runner's `Fence` (its study and job attempt)
   checks, in the same transaction as each write, that the attempt is still the study's
   current one; if not, the write changes nothing and raises `Superseded`
@@ -71,6 +75,16 @@ from service.store.session import (
     session_scope,
     with_retry,
 )
+from service.store.standbys import (
+    HEARTBEAT_S,
+    STANDBY,
+    StandbyRow,
+    StandbyRows,
+    Waiting,
+)
+from service.store.standbys import (
+    STALE_S as STANDBY_STALE_S,
+)
 from service.store.studies import TERMINAL, StudyRows
 from service.store.trials import MetricRow, ResultRow, StartRow, TrialRows
 
@@ -78,6 +92,9 @@ __all__ = [
     "CURRENT_PENALTY_VERSION",
     "NO_INDEX",
     "OPEN_TRIAL_STATES",
+    "HEARTBEAT_S",
+    "STANDBY",
+    "STANDBY_STALE_S",
     "SUMMARY_COLUMNS",
     "TERMINAL",
     "Base",
@@ -90,6 +107,8 @@ __all__ = [
     "ResultRow",
     "StartRow",
     "Store",
+    "StandbyRow",
+    "StandbyRows",
     "Study",
     "StudyRows",
     "StudyStatus",
@@ -97,6 +116,7 @@ __all__ = [
     "Trial",
     "TrialRows",
     "TrialState",
+    "Waiting",
     "constraint_values",
     "database_away",
     "insert_metrics",
@@ -127,6 +147,7 @@ class Store:
         self.fence = fence
         self.studies = StudyRows(sessions, fence)
         self.trials = TrialRows(sessions, fence)
+        self.standbys = StandbyRows(sessions)
 
 
 def upgrade_schema(url: str, revision: str = "head") -> None:

@@ -40,6 +40,7 @@ from service.store.models import (
 from service.store.optuna import optuna_study_name
 from service.store.rows import Rows
 from service.store.session import session_scope
+from service.store.standbys import claim as claim_standby
 
 __all__ = ["LIVE", "RAY_UNREACHABLE", "TERMINAL", "StudyRows"]
 
@@ -99,7 +100,9 @@ class StudyRows(Rows):
     def create(self, spec: StudySpec, idempotency_key: str | None = None) -> tuple[Study, bool]:
         """Insert a PENDING study, or return the one an earlier request with the same
         idempotency key created (two concurrent POSTs race on the unique index: the loser
-        reads the winner's row). Run once; unfenced.
+        reads the winner's row). A ready standby row is claimed instead of inserting one
+        (service/store/standbys.py): the study then already has its job id and attempt 1,
+        and its runner is waiting for it. Run once; unfenced.
 
         Returns:
             The row (detached), and whether this call inserted it.
@@ -125,14 +128,15 @@ class StudyRows(Rows):
                 ).one_or_none()
                 if existing is not None:
                     return existing, False
-            row = Study(
-                name=spec.name,
-                status=StudyStatus.PENDING,
-                spec=spec.model_dump(mode="json", by_alias=True),
-                n_trials=spec.budget.n_trials,
-                optuna_study_name="",
-                idempotency_key=idempotency_key,
-            )
+            values = {
+                "name": spec.name,
+                "spec": spec.model_dump(mode="json", by_alias=True),
+                "n_trials": spec.budget.n_trials,
+                "idempotency_key": idempotency_key,
+            }
+            if (claimed := claim_standby(s, values)) is not None:
+                return claimed, True  # its runner job is already up (store/standbys.py)
+            row = Study(**values, status=StudyStatus.PENDING, optuna_study_name="")
             s.add(row)
             s.flush()
             row.optuna_study_name = optuna_study_name(row.id)
