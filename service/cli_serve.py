@@ -137,6 +137,8 @@ def _serve_locked(
     from service.app import create_app
     from service.control.head_watch import HeadWatchdog
 
+    if args.run and args.exit_when_done:
+        settings.standby = 0  # one study, then exit: a standby would only take CPU from it
     head = None if settings.ray_address else _local_head(args, settings, lock)
     signal.signal(signal.SIGTERM, _terminate)  # docker stop, kill, `qkscope stop`
     server = uvicorn.Server(

@@ -109,11 +109,13 @@ def reconcile(
         age = (now - created).total_seconds()
         if job_id is None and age < grace_s:
             continue  # the POST that created it is still submitting its job
-        if status == StudyStatus.PENDING and grace_s > 0 and age < _in_flight_s(grace_s):
-            # The POST recorded the job id and is submitting it in a thread of its own: Ray's
-            # job list does not show it yet, which is no sign that it was lost.
-            continue
         job_status = jobs.get(job_id) if job_id else None
+        young = status == StudyStatus.PENDING and grace_s > 0 and age < _in_flight_s(grace_s)
+        if young and job_status is None:
+            # The POST recorded the job id and is submitting it in a thread of its own: Ray's
+            # job list does not show it yet, which is no sign that it was lost. (A job Ray
+            # lists as ended was submitted: a standby that died after a POST claimed it.)
+            continue
         if job_status in ALIVE:
             continue
         if status == StudyStatus.RUNNING and job_status == "SUCCEEDED":

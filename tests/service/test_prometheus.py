@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,10 @@ from sqlalchemy.orm import Session
 
 from service.app import create_app
 from service.config import Settings
+from service.control.ray_cluster import job_id_for
+from service.store import Store, utcnow
 from service.store.models import Study, Trial
-from service.store.session import make_engine
+from service.store.session import make_engine, make_sessionmaker
 
 TOKEN = "prom-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -65,10 +68,15 @@ def scrape(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
 
 
 def expected(
-    studies: list[str], trials: list[tuple[str, float | None, int]]
+    studies: list[str],
+    trials: list[tuple[str, float | None, int]],
+    standbys: tuple[int, int] = (0, 0),
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Worked out from the inserted rows: (state, duration_s, metric_rows) per trial."""
+    """Worked out from the inserted rows: (state, duration_s, metric_rows) per trial, and
+    (ready, starting) standby rows."""
     want: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    want[("qkscope_standby_runners", (("state", "ready"),))] = float(standbys[0])
+    want[("qkscope_standby_runners", (("state", "starting"),))] = float(standbys[1])
     want[("qkscope_reconcile_rounds_total", ())] = 0.0  # these apps run no reconcile loop
     for st in STUDY_STATES:
         want[("qkscope_studies", (("status", st),))] = float(studies.count(st))
@@ -173,6 +181,22 @@ def test_scrapes_read_the_database_so_restarts_and_other_writers_are_seen(
     # A restarted (or second) API process starts from the database, not from zero.
     with make_client(db_url, tmp_path / "second") as other:
         assert scrape(other) == expected(["RUNNING"], rows)
+
+
+def test_standbys_are_counted_apart_from_studies(client: TestClient, engine: Engine) -> None:
+    """A standby row is no study: `qkscope_studies` ignores it; `qkscope_standby_runners`
+    counts it ready while its heartbeat is fresh, starting otherwise (none yet, or stale)."""
+    ids = create_studies(client, engine, ["RUNNING"])
+    store = Store(make_sessionmaker(engine))
+    ready, silent, stale = (store.standbys.add(job_id_for)[0] for _ in range(3))
+    store.standbys.look(ready, heartbeat=True)
+    store.standbys.look(stale, heartbeat=True)
+    with Session(engine) as s:
+        old = utcnow() - timedelta(minutes=1)
+        s.execute(update(Study).where(Study.id == stale).values(started_at=old))
+        s.commit()
+    assert scrape(client) == expected(["RUNNING"], [], standbys=(1, 2))
+    assert ids[0] not in (ready, silent, stale)
 
 
 def test_openmetrics_is_served_when_asked_for(client: TestClient, engine: Engine) -> None:
