@@ -63,9 +63,9 @@ def standby_ready(c: httpx.Client, timeout_s: float = 120.0) -> float:
     t0 = time.time()
     while time.time() - t0 < timeout_s:
         for line in c.get("/metrics").text.splitlines():
-            if line.startswith('qkscope_standby_runners{state="ready"}'):
-                if float(line.split()[-1]) >= 1:
-                    return time.time() - t0
+            ready = line.startswith('qkscope_standby_runners{state="ready"}')
+            if ready and float(line.split()[-1]) >= 1:
+                return time.time() - t0
         time.sleep(0.2)
     raise TimeoutError(f"no standby runner ready after {timeout_s} s")
 
@@ -145,9 +145,8 @@ def bare_round(head: Any, work: Path, i: int) -> dict[str, float]:
 LINES = {"warm": "qkscope, standby runner (default)", "cold": "qkscope, QKSCOPE_STANDBY=0"}
 
 
-def run_line(work: Path, line: str, rounds: int) -> tuple[list[dict[str, float]], Any]:
-    """`rounds` + 1 studies on a fresh `serve` (round 0 dropped), warm or cold; returns the
-    rounds and the head (kept running for the bare line, stopped by the caller)."""
+def run_line(work: Path, line: str, rounds: int) -> list[dict[str, float]]:
+    """`rounds` + 1 studies on a fresh `serve` (round 0 dropped), warm or cold."""
     extra = {} if line == "warm" else {"QKSCOPE_STANDBY": "0"}
     head, proc, api, up = start_serve(work / line, concurrency=2, extra_env=extra)
     out: list[dict[str, float]] = []
@@ -161,7 +160,7 @@ def run_line(work: Path, line: str, rounds: int) -> tuple[list[dict[str, float]]
                 say(f"  {line} round {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()))
     finally:
         stop_serve(head, proc)
-    return out, head
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         for line in LINES:
             (work / line).mkdir()
-            q, _ = run_line(work, line, rounds)
+            q = run_line(work, line, rounds)
             med[line] = {k: statistics.median(r[k] for r in q) for k in q[0]}
         from bench._common import RayHead
 
@@ -207,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     w = med["warm"]["first step stored"]
-    print(f"\nfirst result: warm {w:.2f} s, cold {med['cold']['first step stored']:.2f} s, "
-          f"bare Ray job {bare:.2f} s (bare / warm {bare / w:.1f}x)")
+    print(
+        f"\nfirst result: warm {w:.2f} s, cold {med['cold']['first step stored']:.2f} s, "
+        f"bare Ray job {bare:.2f} s (bare / warm {bare / w:.1f}x)"
+    )
     note = busy_note(load_before)
     if note:
         print(note)

@@ -14,10 +14,14 @@ targets per workload, both from one 96-trial random study of this space
 final validation losses, and `hard`, the 5th.
 
 - qkscope with its defaults (TPE, `fuse: auto`, infeasible trials stopped, no loss pruner),
-  POSTed to a `qkscope serve` (its own Ray head, 2 CPUs), `parallelism: 2`, cancelled at the
-  budget; `qkscope-median` and `qkscope-sh` are the same with the median or the successive
-  halving pruner (the infeasible stop still on), `qkscope-fuseN` with an explicit `fuse: N`
-  (no ramp), `qkscope-fixed` with `refill: false` (fixed groups) (`--only` picks the lines);
+  POSTed to a running `qkscope serve` (its own Ray head, 2 CPUs; a warm standby runner
+  waiting, as on any idle service), `parallelism: 2`, cancelled at the budget;
+  `qkscope-median` and `qkscope-sh` are the same with the median or the successive halving
+  pruner (the infeasible stop still on), `qkscope-fuseN` with an explicit `fuse: N` (no
+  ramp), `qkscope-fixed` with `refill: false` (fixed groups), `qkscope-cold` on a second
+  service with `QKSCOPE_STANDBY=0` (each study's job started at its POST) (`--only` picks
+  the lines); before every run of every line the benchmark waits until the standby is warm
+  again, so no run shares the cores with a standby's start;
 - plain Optuna: `n_jobs=2` threads, TPE with the same constraints through
   `Trial.set_constraint`, the median pruner;
 - Ray Tune: `OptunaSearch` (TPE; Tune cannot pass constraint values to it) with the ASHA
@@ -58,6 +62,7 @@ import httpx
 
 from bench._common import busy_note, load1, machine_line, say, table
 from bench.orchestration import post_and_wait, start_serve, stop_serve
+from bench.startup import standby_ready
 
 CONCURRENCY = 2
 DATA_DIR = Path(os.environ.get("QKSCOPE_DATA_DIR") or Path(__file__).parents[2] / "shared/data")
@@ -513,13 +518,24 @@ def calibrate(wl: Workload, trials: int, steps: int) -> int:
     return 0
 
 
+def settle(serves: dict[str, Any]) -> None:
+    """Before every run of every line: wait until the standby service shows a warm standby
+    (the reconciler starts one once the last qkscope study ended), so that no run shares the
+    cores with a standby's start, and every qkscope run POSTs to a warm, idle service."""
+    if (serve := serves.get("warm")) is not None:
+        with httpx.Client(base_url=serve[2], timeout=60) as c:
+            standby_ready(c)
+    time.sleep(1.0)
+
+
 def pick(
-    name: str, wl: Workload, seed: int, args: argparse.Namespace, serve: Any, tmp: Path
+    name: str, wl: Workload, seed: int, args: argparse.Namespace, serves: dict[str, Any], tmp: Path
 ) -> list[End]:
     """One run of one line of the comparison."""
     if name.startswith("qkscope"):
         pruner = {"qkscope-median": "median", "qkscope-sh": "successive_halving"}.get(name)
         fuse = int(name.split("-fuse")[1]) if "-fuse" in name else None
+        serve = serves["cold" if name.endswith("-cold") else "warm"]
         with httpx.Client(base_url=serve[2], timeout=60) as c:
             return run_qkscope(
                 c, wl, seed, args.budget, args.steps, args.trials, pruner, fuse,
@@ -556,15 +572,22 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[list[End]]] = {n: [] for n in names}
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     with tempfile.TemporaryDirectory(prefix="qkscope-ttt-") as tmp:
-        (Path(tmp) / "serve").mkdir()
-        wants_serve = any(n.startswith("qkscope") for n in names)
-        serve = start_serve(Path(tmp) / "serve", CONCURRENCY, serve_env()) if wants_serve else None
+        serves: dict[str, Any] = {}
         try:
+            # one running service per kind of start, up for the whole comparison
+            if any(n.startswith("qkscope") and not n.endswith("-cold") for n in names):
+                (Path(tmp) / "warm").mkdir()
+                serves["warm"] = start_serve(Path(tmp) / "warm", CONCURRENCY, serve_env())
+            if any(n.startswith("qkscope") and n.endswith("-cold") for n in names):
+                (Path(tmp) / "cold").mkdir()
+                env = serve_env() | {"QKSCOPE_STANDBY": "0"}
+                serves["cold"] = start_serve(Path(tmp) / "cold", CONCURRENCY, env)
             for i, seed in enumerate(seeds):
                 # interleaved, each seed runs every line; the order rotates with the seed so
                 # no line always runs first (on a cold cache) or right after Ray Tune
                 for name in names[i % len(names) :] + names[: i % len(names)]:
-                    r = pick(name, wl, seed, args, serve, Path(tmp))
+                    settle(serves)
+                    r = pick(name, wl, seed, args, serves, Path(tmp))
                     runs[name].append(r)
                     hits = ", ".join(
                         f"{k} {time_to_target(r, args.budget, t):.1f} s"
@@ -572,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     say(f"  seed {seed} {name}: {len(r)} trials, to target {hits}")
         finally:
-            if serve is not None:
+            for serve in serves.values():
                 stop_serve(serve[0], serve[1])
     if args.json:
         args.json.write_text(
