@@ -247,9 +247,10 @@ class Engine:
         if self.progress is not None:
             self.progress(self.running[0].step if len(self.running) == 1 else self.iterations)
         evaluating = [m for m in self.running if m.at_eval()]
-        if not evaluating and self.iterations % NAN_CHECK_EVERY != 0:
+        heard = self._heard_stops(evaluating)
+        if not evaluating and not heard and self.iterations % NAN_CHECK_EVERY != 0:
             return
-        stopped = self._check_divergence()
+        stopped = self._check_divergence() + heard
         losses = out.loss.tolist() if evaluating else []
         norms = out.grad_norm.tolist() if evaluating else []
         pens = out.penalty.tolist() if evaluating and out.penalty is not None else []
@@ -262,6 +263,20 @@ class Engine:
             if stops or mem.step >= mem.config.steps:
                 stopped.append(mem)
         self._stop(stopped)
+
+    def _heard_stops(self, evaluating: list[Member]) -> list[Member]:
+        """Members whose owner's pruner stopped them since their last evaluation (the verdict
+        on its report arrived while they trained on): each stops as of that evaluation, the
+        steps trained since are discarded, as a pruner in the same process would have stopped
+        it there. Members evaluating now hear it in their report's answer instead."""
+        heard = []
+        for mem in self.running:
+            if mem.poll is None or mem in evaluating or not mem.hist.steps:
+                continue
+            if mem.status == "completed" and (reason := mem.poll()) is not None:
+                mem.status, mem.stop_reason, mem.step = "pruned", reason, mem.hist.steps[-1]
+                heard.append(mem)
+        return heard
 
     def _evaluate(
         self, slot: int, mem: Member, train_loss: float, grad_norm: float, pen: float | None

@@ -10,10 +10,13 @@ questions through the same actor.
 
 The trial path never blocks in `ray.get` / `ray.wait`: Ray lends the CPU/GPU of a task
 blocked there to the next task, so a blocked trial would let more trials run than the
-cluster has resources. Reports are fire-and-forget; the answer to a report (has the runner
-decided to stop this trial?) is read from the report's future once it is done. Stop
-decisions therefore arrive one or two evaluations late; that costs at most
-`2 * eval_every` steps of a stopped trial and keeps training free of waits.
+cluster has resources. Reports are fire-and-forget. A report that carries a value for the
+pruner also asks for the runner's verdict on it (`TrialInbox.verdict`: a call the inbox
+answers once the runner has judged that step); the worker looks at that future between
+steps without waiting (`InboxReporter.poll`), so a pruned trial stops a few steps after
+the runner's decision, as of the evaluation that was judged, instead of training on to its
+next evaluation. The answer to each report (has the runner stopped this trial?) is the
+fallback when a verdict takes longer than `VERDICT_TIMEOUT_S`.
 
 Backpressure, so that a slow runner (a slow database) slows its workers instead of piling
 messages up or losing them. The inbox buffers at most `max_messages` messages (starts,
@@ -48,6 +51,7 @@ __all__ = [
     "JOURNAL",
     "MAX_MESSAGES",
     "STREAM_AHEAD",
+    "VERDICT_TIMEOUT_S",
     "InboxReporter",
     "TrialInbox",
     "TrialInboxActor",
@@ -61,6 +65,7 @@ ACK_TIMEOUT_S = 120.0
 MAX_MESSAGES = 1000  # the inbox's default bound (the runner passes QKSCOPE_INBOX_MAX_MESSAGES)
 STREAM_AHEAD = 2  # batches the stream may yield before the runner has read them
 IN_FLIGHT = 4  # reports one member may have sent and not yet had taken in
+VERDICT_TIMEOUT_S = 10.0  # the longest the inbox holds a request for the runner's verdict
 
 
 class TrialInbox:
@@ -78,6 +83,8 @@ class TrialInbox:
         self._batch = Batch()
         self._yielded = 0  # batches the stream has yielded
         self._stop: dict[int, str] = {}  # trial -> why the runner stopped it
+        self._judged: dict[int, int] = {}  # trial -> the latest step the runner's pruner judged
+        self._verdicts = asyncio.Event()  # set (and replaced) whenever a verdict is given
         self._event = asyncio.Event()
         self._closed = False
         self._assigned: dict[str, list[Assignment]] = {}
@@ -124,6 +131,35 @@ class TrialInbox:
     async def stop(self, trial: int, reason: str) -> None:
         """The runner's answer to the trial's next report: stop (its pruner said so), and why."""
         self._stop.setdefault(trial, reason)
+        self._wake()
+
+    async def judged(self, steps: dict[int, int]) -> None:
+        """The runner's pruner has judged these trials' reports up to these steps (a stop
+        among them came first, through `stop`)."""
+        for trial, step in steps.items():
+            self._judged[trial] = max(self._judged.get(trial, -1), step)
+        self._wake()
+
+    async def verdict(
+        self, trial: int, step: int, timeout_s: float = VERDICT_TIMEOUT_S
+    ) -> str | None:
+        """Once the runner has judged the trial's report at `step` (or stopped the trial):
+        why it stopped it, or None. None too after `timeout_s` (a slow runner)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while trial not in self._stop and self._judged.get(trial, -1) < step:
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._verdicts.wait(), left)
+            except TimeoutError:
+                return None
+        return self._stop.get(trial)
+
+    def _wake(self) -> None:
+        self._verdicts.set()  # every waiting verdict looks again, at the new event
+        self._verdicts = asyncio.Event()
 
     def _worker_event(self, worker: str) -> asyncio.Event:
         return self._worker_events.setdefault(worker, asyncio.Event())
@@ -197,9 +233,10 @@ TrialInboxActor = ray.remote(num_cpus=0)(TrialInbox)
 
 def max_concurrency(workers: int, slots: int) -> int:
     """Concurrent calls the inbox actor must run so that calls waiting for room never keep
-    the runner's own calls (`fence`, `stop`, `assign`) from running: each member may have
-    `IN_FLIGHT` reports, its start and its end waiting, each worker one `take`."""
-    return max(1000, workers * slots * (IN_FLIGHT + 2) + workers + 64)
+    the runner's own calls (`fence`, `stop`, `assign`) from running: each member slot may
+    have `IN_FLIGHT` reports, its start and its end waiting, and two verdicts (its own and
+    one of the member it replaced, until that times out); each worker one `take`."""
+    return max(1000, workers * slots * (IN_FLIGHT + 4) + workers + 64)
 
 
 class InboxReporter:
@@ -220,6 +257,7 @@ class InboxReporter:
         self.execution = execution
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._stop: str | None = None  # why the runner stopped the trial, once an answer said
+        self._verdict: concurrent.futures.Future[Any] | None = None  # the runner's, on a value
         self.sent = 0
 
     def _send(self, step: int, points: list[Point], value: float | None) -> None:
@@ -230,6 +268,19 @@ class InboxReporter:
         ref = self._inbox.put.remote(Report(self._trial, self.execution, step, points, value))
         self._pending.append(ref.future())  # a callback, not a blocking ray.get
         self.sent += 1
+        if value is not None and (self._verdict is None or self._verdict.done()):
+            # one request at a time: a slow runner's verdicts fall back to the answers
+            self._verdict = self._inbox.verdict.remote(self._trial, step).future()
+
+    def poll(self) -> str | None:
+        """Why the runner stopped the trial, once a verdict or an answer said so; never
+        waits (the engine asks between steps)."""
+        verdict = self._verdict
+        if self._stop is None and verdict is not None and verdict.done():
+            self._verdict = None
+            if verdict.exception() is None and verdict.result() is not None:
+                self._stop = str(verdict.result())
+        return self._answers()
 
     def _answers(self) -> str | None:
         """Read the answers that have arrived (never waits); the reason once any said stop."""

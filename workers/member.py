@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -48,6 +48,14 @@ class Reporter(Protocol):
     to go on."""
 
     def report(self, step: int, metrics: list[MetricPoint], value: float | None) -> str | None: ...
+
+
+@runtime_checkable
+class StopListener(Protocol):
+    """A reporter that can also tell, between evaluations, that its owner stopped the trial
+    (workers/inbox.py: the runner's verdict on the last report); never waits."""
+
+    def poll(self) -> str | None: ...
 
 
 class NullReporter:
@@ -144,6 +152,8 @@ class Member:
     tag: Any = None  # the caller's handle (e.g. the trial number)
     stopper: Stopper | None = None  # the study's constraints, checked at every evaluation
     objective: str | None = None  # the summary whose intermediate value each report carries
+    # the reporter's poll for a pruner's stop between evaluations (with an objective only)
+    poll: Callable[[], str | None] | None = None
     stop_reason: str | None = None
     error: OSError | None = None  # its own storage failed: it leaves without a result
 
@@ -196,6 +206,7 @@ def new_member(
         tag=tag,
         stopper=Stopper(list(stop_rules)) if stop_rules else None,
         objective=objective,
+        poll=reporter.poll if objective and isinstance(reporter, StopListener) else None,
     )
 
 

@@ -103,7 +103,9 @@ class StudyRunner:
         inbox = (self.warm.inbox, self.warm.inbox_workers) if self.warm else None
         self.pool = RayPool(self.spec, self.settings.inbox_max_messages, inbox=inbox)
         self.scheduler = Scheduler(self.spec, self.study_id, self.pool)
-        self.reports = Reports(self.spec, self.store.trials, self.search, self.pool.stop_trial)
+        self.reports = Reports(
+            self.spec, self.store.trials, self.search, self.pool.stop_trial, self.pool.judged
+        )
         try:
             resumed = self._resume()
             asked, t0 = self.search.asked(), self._started_at()

@@ -134,6 +134,11 @@ class RayPool:
         """The trial's next report is answered 'stop', with why (its pruner said so)."""
         self.inbox.stop.remote(number, reason)
 
+    def judged(self, steps: dict[int, int]) -> None:
+        """The pruner judged these trials' reports up to these steps: their workers' waiting
+        verdicts are answered (after any stop sent before: one caller's calls run in order)."""
+        self.inbox.judged.remote(steps)
+
     def wait(self, timeout_s: float) -> tuple[Batch, list[Ended]]:
         """Wait until workers said something or a worker's task ended (or `timeout_s`);
         returns every batch that arrived and the workers that ended, each after its last

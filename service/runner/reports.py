@@ -7,7 +7,8 @@ batch (a crash leaves whole batches or nothing; replays from a trial's journal a
 thanks to the metric primary key). The intermediate value a report carries (its worker
 computed it: the trial's summary of the pruned objective had it stopped there) goes to
 Optuna's pruner, whose "stop", with its reason, travels back to the trial through the inbox
-and ends it PRUNED with that reason.
+and ends it PRUNED with that reason; every judged report is marked so (`judged`), which
+answers the verdict the trial's worker waits for between steps (workers/inbox.py).
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ class Reports:
         trials: TrialRows,
         search: Search,
         stop_trial: Callable[[int, str], None],
+        judged: Callable[[dict[int, int]], None] | None = None,
     ) -> None:
+        """`stop_trial(number, reason)` stops a pruned trial; `judged({number: step})` tells
+        the trials waiting for a verdict that their reports up to that step were judged."""
         self.spec, self.trials, self.search = spec, trials, search
         self.stop_trial = stop_trial
+        self.judged = judged
 
     def record_starts(self, started: list[tuple[Started, TrialRecord]]) -> None:
         """The starts the scheduler accepted (each record's `starts` already counted)."""
@@ -65,6 +70,10 @@ class Reports:
         if self.spec.pruner.kind == "none":
             return
         kind, metric = self.spec.pruner.kind, self.spec.objectives[0].metric
+        steps: dict[int, int] = {}
         for rec, step, value in values:
             if self.search.report(rec.trial, step, value):
                 self.stop_trial(rec.number, f"{kind} pruner: {metric} {value:.4g} at step {step}")
+            steps[rec.number] = max(step, steps.get(rec.number, step))
+        if steps and self.judged is not None:
+            self.judged(steps)  # after the stops: a verdict then reads the stop

@@ -35,6 +35,7 @@ class NoRay:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, list[int]]] = []
         self.stopped: list[tuple[int, str]] = []  # (trial, reason) the pruner stopped
+        self.said: list[tuple[str, Any]] = []  # stops and verdicts, in the order sent
 
     def start(self, name: str, capacity: int, first: list[Assignment]) -> None:
         self.calls.append(("start", name, [a.trial for a in first]))
@@ -47,6 +48,10 @@ class NoRay:
 
     def stop_trial(self, number: int, reason: str) -> None:
         self.stopped.append((number, reason))
+        self.said.append(("stop", number))
+
+    def judged(self, steps: dict[int, int]) -> None:
+        self.said.append(("judged", dict(steps)))
 
 
 def _runner(url: str, tmp_path: Path, **over: Any) -> StudyRunner:
@@ -58,7 +63,9 @@ def _runner(url: str, tmp_path: Path, **over: Any) -> StudyRunner:
     runner = StudyRunner(row.id, Settings(database_url=url, home=tmp_path), engine)
     pool = NoRay()
     runner.scheduler = Scheduler(runner.spec, runner.study_id, pool)
-    runner.reports = Reports(runner.spec, runner.store.trials, runner.search, pool.stop_trial)
+    runner.reports = Reports(
+        runner.spec, runner.store.trials, runner.search, pool.stop_trial, pool.judged
+    )
     return runner
 
 
@@ -157,6 +164,13 @@ def test_the_pruner_gets_the_workers_value_and_its_stop_carries_the_reason(
     _said(runner, bad, _report(bad.number, 20, 5.0))  # a replay
     pool = runner.reports.stop_trial.__self__  # type: ignore[attr-defined]
     assert pool.stopped == [(bad.number, f"median pruner: {metric} 5 at step 20")]
+    # every judged report answers its worker's verdict, the stop sent before it; a report
+    # without a value, or a replay, is not judged again (nothing new to wait on)
+    assert pool.said == [
+        ("judged", {good.number: 20}),
+        ("stop", bad.number),
+        ("judged", {bad.number: 20}),
+    ]
     frozen = runner.storage.get_trial(bad.trial._trial_id)
     assert frozen.intermediate_values == {20: 5.0}  # step 10 carried no value: not told
     with session_scope(runner.store.sessions) as s:

@@ -20,7 +20,14 @@ from tests.workers.test_fused import MEMBERS, _assert_same_evaluations, _quickst
 from tests.workers.test_trial import Recorder, tiny
 from workers.checkpoints import OWNER_FILE, STOPPED_FILE
 from workers.config import TrialConfig
-from workers.engine import Engine, Member, autocast_for, new_member, resolve_device
+from workers.engine import (
+    Engine,
+    Member,
+    PlainRunner,
+    autocast_for,
+    new_member,
+    resolve_device,
+)
 from workers.fused import FusedRunner, run_trial_group
 from workers.metrics import qk_sym_moments
 from workers.trial import run_trial
@@ -324,3 +331,78 @@ def test_a_checkpoint_that_hits_a_full_disk_fails_its_member_alone(tmp_path: Pat
     assert "checkpoint write" in got["failed"][0][2]
     assert got["finished"] == [[1, "completed"]]
     assert not (tmp_path / "m0" / "checkpoint.tmp").exists()  # no stray file left behind
+
+
+class _HearsStop(Recorder):
+    """A reporter whose owner's verdict on its report at step `judged` arrives `late` steps
+    later, through `poll()` (between evaluations), as the inbox's verdict does."""
+
+    def __init__(self, judged: int, late: int) -> None:
+        super().__init__()
+        self.judged, self.late, self.polls_after = judged, late, 0
+
+    def poll(self) -> str | None:
+        if self.judged in self.steps:
+            self.polls_after += 1
+        if self.polls_after >= self.late:
+            return f"median pruner: final_val_loss 1 at step {self.judged}"
+        return None
+
+
+def _without_clock(s: Any) -> dict[str, Any]:
+    d = s.model_dump()
+    for k in ("wall_time_s", "tokens_per_s", "stop_reason"):
+        d.pop(k)
+    return dict(d)
+
+
+def test_a_stop_heard_between_evaluations_stops_the_member_as_of_its_judged_evaluation() -> None:
+    """The runner's verdict on the step-10 report arrives 3 steps later: the member stops then,
+    PRUNED as of step 10, with the summary of the same trial stopped by its step-10 report
+    (computed independently, by the report's own answer); 13 steps were trained, not 15."""
+    cfg = tiny(steps=20, eval_every=5)
+    device = resolve_device(cfg)
+    stopped_by_report = run_trial(cfg, Recorder(stop_at_report=2), objective="final_val_loss")
+    assert stopped_by_report.status == "pruned" and stopped_by_report.steps_done == 10
+    finished: list[Member] = []
+    ctx = autocast_for(cfg, device)
+    engine = Engine(PlainRunner(ctx), device, ctx, on_finish=finished.append)
+    hears = _HearsStop(judged=10, late=3)
+    engine.admit(new_member(cfg, hears, device, objective="final_val_loss"))
+    engine.run()
+    (mem,) = finished
+    assert mem.summary is not None and mem.summary.status == "pruned"
+    assert mem.summary.stop_reason == "median pruner: final_val_loss 1 at step 10"
+    assert mem.summary.steps_done == 10 and hears.steps == [5, 10]
+    assert _without_clock(mem.summary) == _without_clock(stopped_by_report)
+    assert engine.steps_run == 13
+
+
+def test_a_member_without_a_pruned_objective_is_never_polled() -> None:
+    """No objective, no pruner: nothing to hear between evaluations (and no poll per step)."""
+    cfg = tiny(steps=20, eval_every=5)
+    hears = _HearsStop(judged=5, late=1)
+    summary = run_trial(cfg, hears)
+    assert summary.status == "completed" and summary.steps_done == 20
+    assert hears.polls_after == 0
+
+
+def test_a_fused_member_that_hears_a_stop_leaves_and_its_mate_trains_on_unchanged() -> None:
+    """Two fused members: member 0 hears its step-10 verdict 2 steps late and leaves; member 1
+    equals its run-alone twin to the end (the fused contract)."""
+    configs = [_quickstart(**m, steps=40, eval_every=10) for m in MEMBERS[:2]]
+    alone = Recorder()
+    run_trial(configs[1], alone)
+    finished: list[Member] = []
+    engine = _engine(2, finished)
+    hears, mate = _HearsStop(judged=10, late=2), Recorder()
+    device = torch.device("cpu")
+    engine.admit(new_member(configs[0], hears, device, tag=0, objective="final_val_loss"))
+    engine.admit(new_member(configs[1], mate, device, tag=1))
+    engine.run()
+    assert [m.tag for m in finished] == [0, 1]
+    first = finished[0].summary
+    assert first is not None and first.status == "pruned" and first.steps_done == 10
+    assert hears.steps == [10]
+    _assert_same_evaluations(alone, mate)
+    assert engine.steps_run == 12 + 40
