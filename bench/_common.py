@@ -287,3 +287,16 @@ class RayHead:
         import shutil
 
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def standby_ready(c: Any, timeout_s: float = 120.0) -> float:
+    """Wait until the service (an httpx client on its API) shows a ready standby runner
+    (`/metrics`); returns the wait."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        for line in c.get("/metrics").text.splitlines():
+            ready = line.startswith('qkscope_standby_runners{state="ready"}')
+            if ready and float(line.split()[-1]) >= 1:
+                return time.time() - t0
+        time.sleep(0.2)
+    raise TimeoutError(f"no standby runner ready after {timeout_s} s")

@@ -75,7 +75,8 @@ def run(
     if tree is not None:  # the reference code first, for serve, the Ray head and its jobs
         os.environ["PYTHONPATH"] = os.pathsep.join([str(tree), str(_migrations_shim(tree))])
     try:
-        head, proc, api, _ = start_serve(work, 1)
+        # the engine is compared, not the start: every study's job starts cold (no standby)
+        head, proc, api, _ = start_serve(work, 1, {"QKSCOPE_STANDBY": "0"})
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench._common import busy_note, load1, machine_line, say, table
+from bench._common import busy_note, load1, machine_line, say, standby_ready, table
 from bench.orchestration import ROOT, base_config, start_serve, stop_serve
 
 GOAL_S = 1.0  # issue 36: the first result within about a second of the POST
@@ -56,18 +56,6 @@ def _spec(i: int) -> dict[str, Any]:
 
 def _ts(s: str) -> float:
     return datetime.fromisoformat(s).timestamp()
-
-
-def standby_ready(c: httpx.Client, timeout_s: float = 120.0) -> float:
-    """Wait until the service shows a ready standby runner (`/metrics`); returns the wait."""
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        for line in c.get("/metrics").text.splitlines():
-            ready = line.startswith('qkscope_standby_runners{state="ready"}')
-            if ready and float(line.split()[-1]) >= 1:
-                return time.time() - t0
-        time.sleep(0.2)
-    raise TimeoutError(f"no standby runner ready after {timeout_s} s")
 
 
 def qkscope_round(c: httpx.Client, i: int, warm: bool) -> dict[str, float]:

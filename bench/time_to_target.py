@@ -60,9 +60,8 @@ from typing import Any
 
 import httpx
 
-from bench._common import busy_note, load1, machine_line, say, table
+from bench._common import busy_note, load1, machine_line, say, standby_ready, table
 from bench.orchestration import post_and_wait, start_serve, stop_serve
-from bench.startup import standby_ready
 
 CONCURRENCY = 2
 DATA_DIR = Path(os.environ.get("QKSCOPE_DATA_DIR") or Path(__file__).parents[2] / "shared/data")
