@@ -8,10 +8,8 @@ wait, and every message arrived exactly once."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import ray
 
 from workers.config import MetricPoint
@@ -20,15 +18,6 @@ from workers.inbox import IN_FLIGHT, STREAM_AHEAD, TrialInboxActor, max_concurre
 BOUND = 5
 REPORTS = 40  # per producer
 TRIALS = (3, 8)
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _producer() -> Any:

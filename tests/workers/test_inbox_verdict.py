@@ -6,23 +6,12 @@ the runner's side played by its own calls (`stop`, `judged`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import ray
 
 from workers.config import MetricPoint
 from workers.inbox import InboxReporter, TrialInboxActor
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _poll_until(reporter: InboxReporter, seconds: float) -> str | None:

@@ -5,7 +5,6 @@ tests on every storage."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import optuna
@@ -17,31 +16,16 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.control.cancel import cancel_study
 from service.runner.search import Search
 from service.spec import StudySpec
-from service.store import Store, migrate
+from service.store import Store
 from service.store.models import Metric, Study, StudyStatus, Trial, TrialState
 from service.store.optuna import optuna_storage, optuna_study_name, stored_outcome
 from service.store.session import (
     ReadOnlyError,
-    make_engine,
     make_reader,
-    make_sessionmaker,
     session_scope,
 )
 from service.store.trials import ResultRow
 from tests.service.test_e2e_ray import small_quickstart
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    migrate.upgrade(db_url)
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
-def store(engine: Engine) -> Store:
-    return Store(make_sessionmaker(engine))
 
 
 def _study(store: Store) -> int:

@@ -5,31 +5,16 @@ an ordinary study that no standby operation touches again."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 
-import pytest
-from sqlalchemy import Engine, update
+from sqlalchemy import update
 
 from service.control.ray_cluster import job_id_for
 from service.spec import StudySpec
-from service.store import STANDBY, Store, Waiting, migrate, utcnow
+from service.store import STANDBY, Store, Waiting, utcnow
 from service.store.models import Study, StudyStatus
-from service.store.session import make_engine, make_sessionmaker, session_scope
+from service.store.session import session_scope
 from tests.service.test_e2e_ray import small_quickstart
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    migrate.upgrade(db_url)
-    eng = make_engine(db_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
-def store(engine: Engine) -> Store:
-    return Store(make_sessionmaker(engine))
 
 
 def _spec(name: str = "claimer") -> StudySpec:
