@@ -129,10 +129,22 @@ class Result:
     startup_s: float  # service / cluster startup, not in wall
     extra: dict[str, Any] = field(default_factory=dict)
     concurrency: int = 2
+    # What one trial costs run alone (a one-by-one line's median compute in the same run):
+    # set for a line that fused its trials, whose members' own clocks overlap (`fused`).
+    alone_s: float | None = None
 
     @property
     def ideal_s(self) -> float:
+        """The trials run one by one, `concurrency` at a time, with no overhead."""
+        if self.alone_s is not None:
+            return self.trials * self.alone_s / self.concurrency
         return sum(self.compute_s) / self.concurrency
+
+    @property
+    def fused(self) -> bool:
+        """More trials in flight than the concurrency: members shared a worker, and each
+        member's compute clock counts the time its mates trained too."""
+        return float(self.extra.get("in_flight", 0.0)) > self.concurrency + 0.25
 
     def overhead_per_trial(self) -> float:
         return (self.wall_s - self.ideal_s) / self.trials
@@ -473,9 +485,13 @@ def qkscope_breakdown(q: Result) -> str:
         )
         / conc,
     }
-    parts["rest (uneven finish of the last trials, final status, 0.1 s polling)"] = (
-        q.wall_s - q.ideal_s - sum(parts.values())
+    rest = (
+        "fusion (negative: what training members together saved) and the rest (uneven "
+        "finish of the last trials, final status, 0.1 s polling)"
+        if q.fused
+        else "rest (uneven finish of the last trials, final status, 0.1 s polling)"
     )
+    parts[rest] = q.wall_s - q.ideal_s - sum(parts.values())
     rows = [[k, v, 1000 * v / n] for k, v in parts.items()]
     med_task = statistics.median(
         d - c for d, c in zip(q.extra["duration_s"], q.compute_s, strict=False)
@@ -525,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         "1 torch thread per trial"
     )
     tune = next((r for r in results if r.name.startswith("Ray Tune")), None)
+    alone = next((r for r in results if not r.fused and not r.name.startswith("qkscope")), None)
+    for r in results:
+        if r.fused and alone is not None:  # the same trials, one by one, in this run
+            r.alone_s = statistics.median(alone.compute_s)
+            say(f"  {r.name}: fused; ideal from {alone.name}'s median trial compute")
     rows = []
     for r in results:
         rows.append(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,17 @@ def test_the_orchestration_split_reads_fused_slots_without_negative_refills() ->
     assert mean_in_flight(starts, ends) == (5 + 6 + 7 + 8 + 4.5 + 5) / 11
     # one trial per worker, two workers: every start after the first two waits its gap
     assert refill_gaps([0.0, 0.0, 3.2, 4.1], [3.0, 4.0, 6.0, 7.0]) == pytest.approx([0.2, 0.1])
+
+
+def test_the_orchestration_ideal_of_a_fused_line_comes_from_trials_run_alone() -> None:
+    """Fused members' own clocks overlap (each counts its mates' training), so their sum
+    over-states the ideal: a fused line's ideal is its trials at a one-by-one line's cost."""
+    from bench.orchestration import Result
+
+    fused = Result("qkscope", 28.0, 24, [7.6] * 24, 0.0, {"in_flight": 5.6}, concurrency=2)
+    alone = Result("plain Optuna", 35.0, 24, [2.8] * 24, 0.0, {}, concurrency=2)
+    assert fused.fused and not alone.fused
+    assert fused.ideal_s == pytest.approx(24 * 7.6 / 2)  # the members' clocks: wrong
+    fused.alone_s = statistics.median(alone.compute_s)
+    assert fused.ideal_s == pytest.approx(24 * 2.8 / 2) and alone.ideal_s == pytest.approx(33.6)
+    assert fused.overhead_per_trial() == pytest.approx((28.0 - 33.6) / 24)
