@@ -74,6 +74,7 @@ STORE_SITES = {
     ("service/app.py", "_lifespan.lifespan"),
     ("service/runner/loop.py", "StudyRunner.__init__"),
     ("service/runner/job.py", "_build"),
+    ("service/runner/job.py", "run_study"),
 }
 
 

@@ -66,8 +66,9 @@ def run_study(
     try:
         with outage_window(settings.db_outage_s):
             warm = None
-            if is_standby(study_id, engine):  # wait for a POST to claim it
-                warm = stand_by(study_id, settings, engine)
+            standby = Store(make_sessionmaker(engine))  # unfenced: reads, and its heartbeat
+            if is_standby(study_id, standby):  # wait for a POST to claim it
+                warm = stand_by(study_id, settings, standby)
                 if warm is None:
                     return None  # retired before any study claimed it
             runner = _build(study_id, settings, engine, attempt, warm)

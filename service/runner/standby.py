@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 import ray
@@ -28,14 +28,10 @@ from service.store import (
     STANDBY,
     Store,
     Waiting,
-    make_sessionmaker,
     optuna_storage,
     with_retry,
 )
 from workers.warmup import warm_worker
-
-if TYPE_CHECKING:
-    from sqlalchemy import Engine
 
 __all__ = ["POLL_S", "Warm", "is_standby", "stand_by"]
 
@@ -57,18 +53,16 @@ class Warm:
     pids: list[int] = field(default_factory=list)  # the worker processes warmed
 
 
-def is_standby(study_id: int, engine: Engine) -> bool:
+def is_standby(study_id: int, store: Store) -> bool:
     """Whether the study's row is a standby (read once; a row that is gone is not)."""
-    row = with_retry(
-        lambda: Store(make_sessionmaker(engine)).studies.get(study_id), "read study row"
-    )
+    row = with_retry(lambda: store.studies.get(study_id), "read study row")
     return row is not None and row.status == STANDBY
 
 
-def stand_by(study_id: int, settings: Settings, engine: Engine) -> Warm | None:
+def stand_by(study_id: int, settings: Settings, store: Store) -> Warm | None:
     """Prepare, then wait until a POST claims the row `study_id`: returns what was prepared
-    (the runner then runs the study), or None when the row was retired (the job exits)."""
-    store = Store(make_sessionmaker(engine))
+    (the runner then runs the study), or None when the row was retired (the job exits).
+    `store` is unfenced: the standby writes only its own heartbeat."""
     t0 = time.monotonic()
     warm = _prepare(settings)
     log.info(
