@@ -19,6 +19,11 @@ import pytest
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
+# A service started by a test keeps no standby runner (service/control/standby.py) unless the
+# test asks for one (tests/service/test_standby.py): on two cores a standby warming worker
+# processes beside every end-to-end study only slows the suite and adds no coverage.
+os.environ.setdefault("QKSCOPE_STANDBY", "0")
+
 PG_ADMIN_URL = os.environ.get("QKSCOPE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 WIKITEXT = SHARED / "data" / "wikitext-2"
