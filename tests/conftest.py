@@ -55,6 +55,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=5))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Keep Python's fault handler on past pytest's own (which it turns off here), so that a
+    crash while the interpreter shuts down (C extensions' threads: Ray's, torch's) prints
+    every thread's stack instead of a bare "Segmentation fault" after a passing run."""
+    import faulthandler
+    import sys
+
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+
 def _pg_available() -> str | None:
     try:
         import psycopg
