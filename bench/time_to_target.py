@@ -18,7 +18,7 @@ final validation losses, and `hard`, the 5th.
   waiting, as on any idle service), `parallelism: 2`, cancelled at the budget;
   `qkscope-median` and `qkscope-sh` are the same with the median or the successive halving
   pruner (the infeasible stop still on), `qkscope-fuseN` with an explicit `fuse: N` (no
-  ramp), `qkscope-fixed` with `refill: false` (fixed groups), `qkscope-cold` on a second
+  ramp; `qkscope-sh-fuseN` both), `qkscope-fixed` with `refill: false` (fixed groups), `qkscope-cold` on a second
   service with `QKSCOPE_STANDBY=0` (each study's job started at its POST) (`--only` picks
   the lines); before every run of every line the benchmark waits until the standby is warm
   again, so no run shares the cores with a standby's start;
@@ -532,7 +532,8 @@ def pick(
 ) -> list[End]:
     """One run of one line of the comparison."""
     if name.startswith("qkscope"):
-        pruner = {"qkscope-median": "median", "qkscope-sh": "successive_halving"}.get(name)
+        base = name.split("-fuse")[0]  # qkscope-sh-fuse1: the sh line at fuse 1
+        pruner = {"qkscope-median": "median", "qkscope-sh": "successive_halving"}.get(base)
         fuse = int(name.split("-fuse")[1]) if "-fuse" in name else None
         serve = serves["cold" if name.endswith("-cold") else "warm"]
         with httpx.Client(base_url=serve[2], timeout=60) as c:
