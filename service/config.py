@@ -12,7 +12,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 if TYPE_CHECKING:
-    from service.limits import Limits
+    from service.spec.limits import Limits
 
 __all__ = ["Settings", "get_settings"]
 
@@ -66,9 +66,9 @@ class Settings(BaseSettings):
     # The memory one worker may need at the largest point of a study's search space (its
     # parameters, activations, logits, metrics probe and validation set, times the members
     # a CPU worker fuses; a GPU worker fits its slots to its memory itself): more is a 422
-    # at POST naming the field. service/space.py `check_memory` estimates it (errs high).
+    # at POST naming the field. service/spec/space.py `check_memory` estimates it (errs high).
     max_trial_memory_bytes: int = Field(16 * 2**30, ge=2**20)
-    # What one accepted study may cost the head, a worker or the database (service/limits.py;
+    # What one accepted study may cost the head, a worker or the database (service/spec/limits.py;
     # each is a 422 at POST naming the field and the limit, docs/operations.md).
     # Points of the grid sampler's grid: Optuna builds them all as a list in the runner.
     max_grid_points: int = Field(100_000, ge=1)
@@ -91,8 +91,8 @@ class Settings(BaseSettings):
     inbox_max_messages: int = Field(1000, ge=1)
 
     def limits(self) -> Limits:
-        """The definition limits of service/limits.py, from these settings."""
-        from service.limits import Limits
+        """The definition limits of service/spec/limits.py, from these settings."""
+        from service.spec.limits import Limits
 
         return Limits(
             grid_points=self.max_grid_points,

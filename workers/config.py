@@ -12,6 +12,7 @@ The sections of a config (`TaskConfig`, `ModelConfig`, `RegularizerConfig`, `Opt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import (
@@ -161,7 +162,14 @@ class MetricPoint:
     head: int | None = None
 
 
-TrialStatus = Literal["completed", "pruned", "diverged"]
+class TrialStatus(StrEnum):
+    """How a member ended: trained to its last step, stopped early (a constraint it can no
+    longer meet, or the pruner's verdict), or its loss went non-finite. A str, so it reads and
+    serialises as its value."""
+
+    COMPLETED = "completed"
+    PRUNED = "pruned"
+    DIVERGED = "diverged"
 
 
 class TrialSummary(BaseModel):

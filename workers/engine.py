@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from workers.checkpoints import claim_dir, read_stopped, write_stopped
-from workers.config import MetricPoint, TrialSummary
+from workers.config import MetricPoint, TrialStatus, TrialSummary
 from workers.evaluation import init_points, intermediate_value, probe_metrics, summarize, val_loss
 from workers.member import (
     Member,
@@ -151,12 +151,12 @@ class Engine:
         mem.hist.init_points = points
         stop = mem.reporter.report(0, points, None)  # step 0: nothing trained to judge yet
         if not math.isfinite(points[0].value):
-            mem.status, mem.diverged_at = "diverged", 0
+            mem.status, mem.diverged_at = TrialStatus.DIVERGED, 0
         elif mem.checkpoint_path is not None:  # a resume from here must not report it again
             save_checkpoint(mem)
-        if mem.status == "completed" and stop is not None:
-            mem.status, mem.stop_reason = "pruned", stop
-        if mem.status != "completed":
+        if mem.status == TrialStatus.COMPLETED and stop is not None:
+            mem.status, mem.stop_reason = TrialStatus.PRUNED, stop
+        if mem.status != TrialStatus.COMPLETED:
             self._finish(mem)
             return True
         return False
@@ -225,8 +225,8 @@ class Engine:
             return []
         bad = []
         for mem, b in zip(self.running, self._first_bad.tolist(), strict=True):
-            if b and mem.status == "completed":
-                mem.status, mem.diverged_at, mem.step = "diverged", b, b - 1
+            if b and mem.status == TrialStatus.COMPLETED:
+                mem.status, mem.diverged_at, mem.step = TrialStatus.DIVERGED, b, b - 1
                 bad.append(mem)
         return bad
 
@@ -273,8 +273,12 @@ class Engine:
         for mem in self.running:
             if mem.poll is None or mem in evaluating or not mem.hist.steps:
                 continue
-            if mem.status == "completed" and (reason := mem.poll()) is not None:
-                mem.status, mem.stop_reason, mem.step = "pruned", reason, mem.hist.steps[-1]
+            if mem.status == TrialStatus.COMPLETED and (reason := mem.poll()) is not None:
+                mem.status, mem.stop_reason, mem.step = (
+                    TrialStatus.PRUNED,
+                    reason,
+                    mem.hist.steps[-1],
+                )
                 heard.append(mem)
         return heard
 
@@ -309,14 +313,14 @@ class Engine:
         try:
             stop = mem.reporter.report(mem.step, points, value)  # journaled beside the checkpoint
             if not math.isfinite(val):
-                mem.status, mem.diverged_at = "diverged", mem.step
+                mem.status, mem.diverged_at = TrialStatus.DIVERGED, mem.step
                 return True
             # judged before the checkpoint, which keeps the stopper's counts of this step
             reason = None
             if mem.stopper is not None and now is not None:
                 reason = mem.stopper.check(mem.step, now)
             if reason is not None:
-                mem.status, mem.stop_reason = "pruned", reason
+                mem.status, mem.stop_reason = TrialStatus.PRUNED, reason
                 return True
             every = mem.config.checkpoint.every_evals
             if mem.checkpoint_path is not None and mem.n_evals % every == 0:
@@ -327,7 +331,7 @@ class Engine:
             mem.error = e  # it leaves; the others go on
             return True
         if stop is not None:
-            mem.status, mem.stop_reason = "pruned", stop
+            mem.status, mem.stop_reason = TrialStatus.PRUNED, stop
             return True
         return False
 
@@ -338,7 +342,7 @@ class Engine:
             mem.config,
             mem.task,
             mem.hist,
-            "completed",
+            TrialStatus.COMPLETED,
             mem.step - mem.start,
             None,
             0.0,

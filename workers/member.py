@@ -145,7 +145,7 @@ class Member:
     start: int = 0  # the step this execution resumed from
     step: int = 0  # updates done
     n_evals: int = 0
-    status: TrialStatus = "completed"
+    status: TrialStatus = TrialStatus.COMPLETED
     diverged_at: int | None = None
     admitted: float = 0.0  # perf_counter at admission: the member's own wall time
     summary: TrialSummary | None = None  # set when it has finished

@@ -22,15 +22,15 @@ from service.store import (
     stored_outcome,
 )
 from workers import curves as M
-from workers.config import TrialSummary
+from workers.config import TrialStatus, TrialSummary
 from workers.messages import Stopped
 
 __all__ = ["STATES", "Judged", "judge", "judge_stored", "result_row"]
 
 STATES = {
-    "completed": TrialState.COMPLETE,
-    "pruned": TrialState.PRUNED,
-    "diverged": TrialState.DIVERGED,
+    TrialStatus.COMPLETED: TrialState.COMPLETE,
+    TrialStatus.PRUNED: TrialState.PRUNED,
+    TrialStatus.DIVERGED: TrialState.DIVERGED,
 }
 
 
@@ -69,7 +69,7 @@ def judge(
     worker's (the pruner's, which travelled with the stop, or an unmeetable constraint's);
     one stopped by a version that sent no reason is said to be the pruner's."""
     stored = summary.model_dump(mode="json")
-    if summary.status == "pruned" and not summary.stop_reason:
+    if summary.status == TrialStatus.PRUNED and not summary.stop_reason:
         stored["stop_reason"] = f"{spec.pruner.kind} pruner"
     if summary.eval_steps and not summary.trapped:
         final = summary.final_val_loss
@@ -88,7 +88,7 @@ def judge(
         status,
         STATES[status],
         stored,
-        _values(spec, stored, status == "diverged"),
+        _values(spec, stored, status == TrialStatus.DIVERGED),
         constraint_values(spec, stored, steps),
     )
 

@@ -244,7 +244,7 @@ def test_invalid_spec_is_422_naming_the_field_and_writes_nothing(
 
 
 # Errors raised by the spec's cross-field checks (and the discriminated search-space union)
-# should carry the user's field path, as service/spec.py promises ("every error carries the
+# should carry the user's field path, as service/spec/__init__.py promises ("every error carries the
 # dotted path of the field") and service/api/errors.py's comment says ("Drop pydantic's
 # union-tag segments (e.g. 'float')"). Today they come back as "body" or with a ".float" tag.
 FIELD_PATH_CASES: list[tuple[str, dict[str, Any], str]] = [

@@ -24,8 +24,7 @@ from sqlalchemy import select, text, update
 from service.app import create_app
 from service.config import Settings
 from service.control.db_health import DatabaseHealth, watch_database
-from service.control.launch import close_leftovers
-from service.control.reconciler import LauncherSlot, reconcile_forever
+from service.control.reconciler import LauncherSlot, close_leftovers, reconcile_forever
 from service.read import prom
 from service.spec import StudySpec
 from service.store import Store, migrate

@@ -20,8 +20,9 @@ from sqlalchemy import select, text
 
 from service.config import Settings
 from service.control.cancel import cancel_study
-from service.control.launch import launch_study, reconcile
+from service.control.launch import launch_study
 from service.control.ray_cluster import JobLauncher, LocalRayHead
+from service.control.reconciler import reconcile
 from service.runner.configs import slot_key
 from service.runner.pool import RayPool
 from service.runner.records import Status, TrialRecord
@@ -475,7 +476,7 @@ def test_a_worker_that_fails_ends_only_after_the_inbox_has_its_last_messages(
 def test_a_search_space_point_that_fails_at_run_time_fails_one_trial_not_the_study(
     db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
 ) -> None:
-    """POST refuses such a space (service/space.py); a stored spec that slipped past it (a
+    """POST refuses such a space (service/spec/space.py); a stored spec that slipped past it (a
     huge space is checked on a sample; one stored before the check) must still not fail the
     whole study. Before: the runner's config for n_heads 3 raised and the study went FAILED."""
     settings = Settings(

@@ -17,13 +17,13 @@ from sqlalchemy import Engine, text
 
 from service.app import create_app
 from service.config import Settings
-from service.limits import (
+from service.spec import StudySpec
+from service.spec.limits import (
     evaluations,
     grid_points,
     metric_rows_per_evaluation,
     param_bytes_per_trial,
 )
-from service.spec import StudySpec
 from service.store.session import make_engine
 from tests.service.test_bad_input import VALID, check_rejected, n_studies, names_field, post
 

@@ -22,8 +22,8 @@ from sqlalchemy import select
 
 from service.app import create_app
 from service.config import Settings
-from service.control.launch import reconcile
 from service.control.ray_cluster import JobLauncher, LocalRayHead
+from service.control.reconciler import reconcile
 from service.store import Store, migrate
 from service.store.models import Study, StudyStatus
 from service.store.session import make_engine, make_sessionmaker

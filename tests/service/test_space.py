@@ -1,4 +1,4 @@
-"""The search-space check (service/space.py): what it enumerates, that it stays cheap on huge
+"""The search-space check (service/spec/space.py): what it enumerates, that it stays cheap on huge
 spaces, and that what it accepts Optuna can really sample without a failing trial config."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 import optuna
 import pytest
 
-from service.space import ENUM_MAX, candidate_values
 from service.spec import IntParam, SpecError, apply_params, parse_spec
+from service.spec.space import ENUM_MAX, candidate_values
 
 BASE: dict[str, Any] = {"name": "s", "budget": {"n_trials": 4}}
 

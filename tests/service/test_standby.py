@@ -18,8 +18,8 @@ from sqlalchemy import update
 
 from service.app import create_app
 from service.config import Settings
-from service.control.launch import reconcile
 from service.control.ray_cluster import JobLauncher, LocalRayHead
+from service.control.reconciler import reconcile
 from service.control.standby import keep_standbys, retire_standbys
 from service.store import Store, utcnow
 from service.store.models import Study

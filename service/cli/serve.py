@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qkscope import Client
-from service.cli_format import progress_style, results_table
+from service.cli.format import progress_style, results_table
 
 if TYPE_CHECKING:
     from service.config import Settings

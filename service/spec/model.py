@@ -4,8 +4,8 @@ A spec is a base trial config, a search space over dotted fields of that
 config, a sampler/pruner, a budget and the objectives and constraints that
 define a *stable* setting. Everything the model checks on its own is here, every error
 carrying the dotted path of the field; the checks that need more (every point of the
-search space, the deployment's limits, the data directory) are in service/spec_checks.py,
-and service/spec.py is the one name for both.
+search space, the deployment's limits, the data directory) are in service/spec/checks.py,
+and service/spec/__init__.py is the one name for both.
 """
 
 from __future__ import annotations

@@ -6,21 +6,21 @@ define a *stable* setting. Validation happens completely before anything is
 written: every error carries the dotted path of the field.
 
 This module is the one name to import them by. The model and what it checks on its own
-are in service/spec_model.py; the checks that need more (parsing a body, every point of
-the search space in service/space.py, the deployment's limits, the data directory) in
-service/spec_checks.py.
+are in service/spec/model.py; the checks that need more (parsing a body, every point of
+the search space in service/spec/space.py, the deployment's limits, the data directory) in
+service/spec/checks.py.
 """
 
 from __future__ import annotations
 
-from service.spec_checks import (
+from service.spec.checks import (
     DATA_DIR_RULE,
     MAX_NESTING,
     check_data_dirs,
     check_limits,
     parse_spec,
 )
-from service.spec_model import (
+from service.spec.model import (
     HISTORY_FREE_SAMPLERS,
     INFEASIBLE_PATIENCE,
     MAX_FUSE,

@@ -1,5 +1,5 @@
-"""The checks of a study definition beyond its model (service/spec_model.py): parsing a
-body (JSON or YAML, bounded), every point of the search space (service/space.py), the
+"""The checks of a study definition beyond its model (service/spec/model.py): parsing a
+body (JSON or YAML, bounded), every point of the search space (service/spec/space.py), the
 deployment's limits and the data directory. Each error names the dotted field.
 """
 
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from service.space import check_memory, check_search_space, worst_points
-from service.spec_model import SpecError, StudySpec, count_params, extremes, vocab_size
+from service.spec.model import SpecError, StudySpec, count_params, extremes, vocab_size
+from service.spec.space import check_memory, check_search_space, worst_points
 
 if TYPE_CHECKING:
-    from service.limits import Limits
+    from service.spec.limits import Limits
 
 __all__ = ["DATA_DIR_RULE", "MAX_NESTING", "check_data_dirs", "check_limits", "parse_spec"]
 
@@ -31,8 +31,8 @@ def check_limits(
 ) -> list[SpecError]:
     """Deployment limits that depend on settings rather than on the spec alone: trials,
     steps, parameters, (`max_memory`, QKSCOPE_MAX_TRIAL_MEMORY_BYTES) the memory of one
-    worker at the largest point of the search space (service/space.py, `check_memory`), and
-    what `limits` bounds (service/limits.py: the grid, evaluations, metric rows, checkpoint
+    worker at the largest point of the search space (service/spec/space.py, `check_memory`), and
+    what `limits` bounds (service/spec/limits.py: the grid, evaluations, metric rows, checkpoint
     bytes, string lengths)."""
     errors: list[SpecError] = []
     if spec.budget.n_trials > max_trials:

@@ -1,7 +1,7 @@
 """What one accepted study definition may cost the head, a worker or the database.
 
-The spec's own bounds (service/spec.py, workers/config.py) keep each field in a sane range,
-and `service/space.py` bounds a worker's memory. Fields that are harmless alone can still
+The spec's own bounds (service/spec/__init__.py, workers/config.py) keep each field in a sane range,
+and `service/spec/space.py` bounds a worker's memory. Fields that are harmless alone can still
 multiply into something no deployment holds; each check here bounds one such product at
 the largest point of the search space, against a setting (`QKSCOPE_MAX_*`), and answers
 with a `SpecError` naming the field to change and the limit:
@@ -30,8 +30,8 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from service.space import candidate_values, worst_points
-from service.spec_model import SpecError, StudySpec, count_params, vocab_size
+from service.spec.model import SpecError, StudySpec, count_params, vocab_size
+from service.spec.space import candidate_values, worst_points
 from workers.metric_names import series_by_index
 
 __all__ = [

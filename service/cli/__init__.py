@@ -14,12 +14,12 @@ import logging
 import sys
 
 from qkscope import ApiError, Client, QkscopeError
-from service.cli_format import COLUMNS, lr_sensitivity_table, progress_style, results_table
-from service.cli_serve import CliError, serve, stop
-from service.cli_serve import is_loopback as _is_loopback  # noqa: F401  (the old name)
+from service.cli.format import COLUMNS, lr_sensitivity_table, progress_style, results_table
+from service.cli.serve import CliError, serve, stop
+from service.cli.serve import is_loopback as _is_loopback  # noqa: F401  (the old name)
 
 # The commands live in three modules: this one (the parser, the client commands, `main`),
-# service/cli_format.py (tables) and service/cli_serve.py (`serve`, `stop`); their names
+# service/cli/format.py (tables) and service/cli/serve.py (`serve`, `stop`); their names
 # stay importable from here.
 __all__ = [
     "COLUMNS",

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.spec_model import (
+from service.spec.model import (
     CategoricalParam,
     FixedParam,
     FloatParam,
