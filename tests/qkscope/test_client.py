@@ -325,7 +325,7 @@ def test_a_stopped_trials_reason_reaches_the_client_and_qkscope_results(
 
 
 def test_lr_sensitivity(qk: Client, engine: Engine) -> None:
-    from tests.service.test_lr_sensitivity import E2E_GRID, expected_group, seed_lr_study
+    from tests.service.lr_seed import E2E_GRID, expected_group, seed_lr_study
 
     sid = seed_lr_study(engine, "client-lr-sens")
     res = qk.lr_sensitivity(sid, group_by="model.qk_norm")

@@ -13,24 +13,14 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Engine, func, select, text
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine, text
 
 from service.app import create_app
 from service.config import Settings
 from service.spec import StudySpec
-from service.store.models import Study
 from service.store.session import make_engine
+from tests.service.helpers import VALID, check_rejected, n_studies, names_field, post
 
-VALID: dict[str, Any] = {
-    "name": "ok",
-    "budget": {"n_trials": 4},
-    "search_space": {
-        "optim.lr": {"type": "float", "low": 0.0001, "high": 0.01, "log": True},
-        "model.norm": {"type": "categorical", "choices": ["pre", "post"]},
-    },
-    "constraints": [{"metric": "min_norm_entropy", "op": ">=", "value": 0.1}],
-}
 # The quickstart's width (d_model 32), where n_heads 3, 5, 6 and 7 do not divide it.
 QUICK: dict[str, Any] = {"model": {"d_model": 32}}
 # Every field spelled out: the tree the "every level" and "every leaf" cases walk.
@@ -865,44 +855,6 @@ def engine(app_client: TestClient, bad_db: str) -> Iterator[Engine]:
     eng = make_engine(bad_db)
     yield eng
     eng.dispose()
-
-
-def n_studies(engine: Engine) -> int:
-    with Session(engine) as s:
-        return int(s.scalar(select(func.count()).select_from(Study)) or 0)
-
-
-def _subsequence(want: list[str], have: list[str]) -> bool:
-    it = iter(have)
-    return all(any(w == h for h in it) for w in want)
-
-
-def names_field(body: dict[str, Any], field: str) -> bool:
-    """The error names `field`: exactly, or with pydantic's union tags in between, or, for the
-    spec's cross-field checks that are reported against 'body', in the message."""
-    want = field.split(".")
-    if any(_subsequence(want, e["field"].split(".")) for e in body["errors"]):
-        return True
-    return any(e["field"] == "body" for e in body["errors"]) and field in body["message"]
-
-
-def post(c: TestClient, body: Any, ctype: str) -> Any:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return c.post("/v1/studies", content=content, headers={"content-type": ctype})
-
-
-def check_rejected(c: TestClient, body: Any, ctype: str, label: str = "") -> dict[str, Any]:
-    r = post(c, body, ctype)
-    assert 400 <= r.status_code < 500, (label, r.status_code, r.text[:300])
-    assert r.headers["content-type"].startswith("application/json"), label
-    out = r.json()
-    assert set(out) == {"error", "message", "errors"}, (label, out)
-    assert isinstance(out["errors"], list) and isinstance(out["message"], str)
-    assert all(isinstance(e["field"], str) and e["field"] for e in out["errors"]), out
-    if r.status_code in (400, 422):
-        assert out["errors"], (label, out)
-    out["status"] = r.status_code
-    return dict(out)
 
 
 # --- the table ----------------------------------------------------------------------------------

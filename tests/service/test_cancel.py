@@ -16,7 +16,7 @@ from service.store.models import Study, Trial, TrialState
 from service.store.optuna import optuna_storage, optuna_study_name
 from service.store.session import make_engine, make_sessionmaker, session_scope
 from service.store.studies import StudyRows
-from tests.service.test_e2e_ray import small_quickstart
+from tests.service.helpers import small_quickstart
 
 
 def seed(url: str) -> tuple[int, optuna.Study]:

@@ -4,7 +4,6 @@ errors with a hint, and no orphaned Ray head after a `kill -9` of `serve` (`qksc
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -18,29 +17,7 @@ from sqlalchemy import Engine
 from service.config import Settings
 from tests.conftest import ROOT, free_port
 from tests.service.conftest import TOKEN, live_api
-
-
-def cli_env(home: Path, api_url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("QKSCOPE_", "RAY_"))}
-    env["QKSCOPE_HOME"] = str(home)
-    env["QKSCOPE_API_URL"] = api_url
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
-def qkscope(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "service.cli", *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def ray_left(gcs_port: int) -> bool:
-    return subprocess.run(["pgrep", "-f", f"gcs_server_port={gcs_port}"]).returncode == 0
+from tests.service.helpers import cli_env, qkscope, ray_left
 
 
 def test_server_down_and_missing_file_are_one_line_with_a_hint(tmp_path: Path) -> None:
@@ -186,7 +163,7 @@ def test_stop_ends_a_head_orphaned_by_kill_9(tmp_path: Path) -> None:
 def test_lr_sensitivity_table(
     app_settings: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.service.test_lr_sensitivity import expected_group, seed_lr_study
+    from tests.service.lr_seed import expected_group, seed_lr_study
 
     sid = seed_lr_study(engine, "cli-lr-sens")
     with live_api(app_settings, monkeypatch) as url:

@@ -22,8 +22,8 @@ from service.app import create_app
 from service.control.ray_cluster import JobLauncher, LocalRayHead
 from service.store import migrate
 from tests.service.db_proxy import CuttableProxy
+from tests.service.helpers import assert_untouched, job_attempts, settings_for, snapshot
 from tests.service.invariants import check_finished_study, fault_spec
-from tests.service.test_restarts import assert_untouched, job_attempts, settings_for, snapshot
 
 pytestmark = [pytest.mark.cluster, pytest.mark.postgres]
 STEPS = 240

@@ -4,7 +4,6 @@ PostgreSQL: POST a study -> its Ray job appears -> trials run -> metrics land ->
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 import yaml
@@ -14,29 +13,9 @@ from sqlalchemy import func, select
 from service.control.ray_cluster import JobLauncher, LocalRayHead
 from service.store.models import Metric, Study, Trial
 from service.store.session import make_engine, make_sessionmaker
-from tests.conftest import ROOT
+from tests.service.helpers import small_quickstart, wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-def small_quickstart(n_trials: int = 4, steps: int = 40) -> dict[str, Any]:
-    spec = yaml.safe_load((ROOT / "study_defs" / "quickstart.yaml").read_text())
-    spec["budget"]["n_trials"] = n_trials
-    spec["base"]["steps"] = steps
-    spec["base"]["eval_every"] = 20
-    return dict(spec)
-
-
-def wait_for(
-    client: TestClient, study_id: int, statuses: set[str], timeout: float
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        study = client.get(f"/v1/studies/{study_id}").json()
-        if study["status"] in statuses:
-            return dict(study)
-        time.sleep(0.5)
-    raise AssertionError(f"study {study_id} not in {statuses} after {timeout}s: {study}")
 
 
 def test_study_runs_end_to_end(app_client: TestClient, db_url: str, ray_head: LocalRayHead) -> None:

@@ -16,7 +16,7 @@ from service.control.ray_cluster import JobLauncher, LocalRayHead
 from service.store.models import Metric, Trial
 from service.store.optuna import optuna_study_name
 from service.store.session import make_engine, make_sessionmaker, normalize_url
-from tests.service.test_e2e_ray import small_quickstart, wait_for
+from tests.service.helpers import small_quickstart, wait_for
 from workers import metrics as M
 
 pytestmark = pytest.mark.cluster

@@ -32,9 +32,9 @@ from service.store import Store, migrate
 from service.store.models import StudyStatus, Trial, TrialState
 from service.store.optuna import optuna_storage, optuna_study_name
 from service.store.session import make_engine, make_sessionmaker
+from tests.service.helpers import wait_for
 from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
-from tests.service.test_e2e_ray import wait_for
-from tests.workers.test_trial import TINY
+from tests.workers.helpers import TINY
 from workers.config import TrialSummary
 from workers.inbox import InboxReporter, TrialInbox
 from workers.messages import Assignment, HandedBack, WorkerDone

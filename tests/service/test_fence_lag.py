@@ -25,7 +25,7 @@ from service.runner.pool import RayPool
 from service.runner.records import Status, TrialRecord
 from service.runner.scheduler import Scheduler
 from service.spec import StudySpec
-from tests.workers.test_trial import TINY
+from tests.workers.helpers import TINY
 from workers.config import TrialConfig, TrialSummary
 from workers.inbox import InboxReporter, TrialInbox
 from workers.messages import Assignment, Batch, WorkerDone

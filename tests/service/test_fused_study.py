@@ -23,18 +23,20 @@ from service.spec import StudySpec
 from service.store.models import Trial
 from service.store.optuna import optuna_storage, optuna_study_name
 from service.store.session import make_engine, make_sessionmaker
-from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
-from tests.service.test_e2e_ray import small_quickstart, wait_for
-from tests.service.test_restarts import (
+from tests.service.helpers import (
     assert_untouched,
     finished,
     job_attempts,
     kill_runner,
     progress,
     settings_for,
+    small_quickstart,
     snapshot,
+    wait_for,
     wait_until,
+    wild_and_calm,
 )
+from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
 REL_TOL = 1e-4
@@ -122,43 +124,6 @@ def test_configs_the_fused_model_refuses_train_alone_in_a_fused_study(
         else:
             assert abs(f["value"] - a["value"]) <= REL_TOL * abs(a["value"]), (a, f)
     check_finished_study(db_url, fused[0]["study_id"])
-
-
-def wild_and_calm(n_trials: int, steps: int) -> dict[str, Any]:
-    """Plain SGD without clipping: lr 10 diverges (tests/workers/test_trial), lr 0.1 does
-    not. The grid sampler runs every (lr, seed) pair, so some members are wild, some calm."""
-    return {
-        "name": "fused-divergence",
-        "base": {
-            "task": {
-                "kind": "associative_recall",
-                "seq_len": 16,
-                "n_pairs": 4,
-                "n_symbols": 8,
-                "n_valid": 32,
-            },
-            "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64},
-            "optim": {"name": "sgd", "schedule": "constant", "lr": 0.1, "grad_clip": None},
-            "batch_size": 8,
-            "steps": steps,
-            "eval_every": 10,
-            "eval_batches": 2,
-            "probe_batch_size": 4,
-            "device": "cpu",
-            "dtype": "float32",
-            "checkpoint": {"every_evals": 1},
-        },
-        "search_space": {
-            "optim.lr": {"type": "categorical", "choices": [0.1, 10.0]},
-            "seed": {"type": "categorical", "choices": [1, 2, 3]},
-        },
-        "sampler": {"kind": "grid", "seed": 0},
-        "budget": {"n_trials": n_trials},
-        "parallelism": 1,
-        "fuse": 4,
-        "objectives": [{"metric": "final_val_loss", "direction": "minimize"}],
-        "resources": {"cpus": 1, "gpus": 0},
-    }
 
 
 def test_every_member_has_its_own_rows_summary_and_state(

@@ -15,7 +15,7 @@ from service.app import create_app
 from service.config import Settings
 from service.control.launch import runner_env
 from service.control.ray_cluster import JobLauncher, LocalRayHead
-from tests.service.test_e2e_ray import small_quickstart, wait_for
+from tests.service.helpers import small_quickstart, wait_for
 
 PASSWORD = "pw-9f3c1e77-not-for-jobs"
 

@@ -24,7 +24,7 @@ from service.store import migrate
 from service.store.models import Metric, Study, StudyStatus, Trial, TrialState, utcnow
 from service.store.session import make_engine, make_sessionmaker, session_scope
 from service.store.studies import StudyRows
-from tests.service.test_e2e_ray import small_quickstart
+from tests.service.helpers import small_quickstart
 from workers.config import TrialSummary
 from workers.messages import Assignment, Batch, Failed, Report, Started, Stopped
 

@@ -25,7 +25,7 @@ from service.spec.limits import (
     param_bytes_per_trial,
 )
 from service.store.session import make_engine
-from tests.service.test_bad_input import VALID, check_rejected, n_studies, names_field, post
+from tests.service.helpers import VALID, check_rejected, n_studies, names_field, post
 
 ROOT = Path(__file__).resolve().parents[2]
 

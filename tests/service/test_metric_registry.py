@@ -21,7 +21,7 @@ from service.read.queries import SORTABLE
 from service.spec import StudySpec
 from service.store.models import SUMMARY_COLUMNS, Metric, Study, Trial
 from tests.service.conftest import create_via_api
-from tests.workers.test_trial import Recorder, tiny
+from tests.workers.helpers import Recorder, tiny
 from workers.metric_names import (
     COLUMN_SUMMARIES,
     FLAG_SUMMARIES,

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from service.control.ray_cluster import LocalRayHead
 from service.store.models import Trial
 from service.store.session import make_engine
-from tests.service.test_e2e_ray import small_quickstart, wait_for
+from tests.service.helpers import small_quickstart, wait_for
 
 pytestmark = pytest.mark.cluster
 

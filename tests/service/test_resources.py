@@ -18,7 +18,7 @@ from service.control.ray_cluster import JobLauncher, LocalRayHead
 from service.resources import unmet
 from service.store.models import Study
 from service.store.session import make_engine
-from tests.service.test_e2e_ray import small_quickstart, wait_for
+from tests.service.helpers import small_quickstart, wait_for
 
 
 def test_unmet_names_the_missing_resource() -> None:

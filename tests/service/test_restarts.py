@@ -9,109 +9,35 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
-from datetime import datetime
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
 
 from service.app import create_app
-from service.config import Settings
 from service.control.ray_cluster import JobLauncher, LocalRayHead
 from service.control.reconciler import reconcile
 from service.store import Store, migrate
 from service.store.models import Study, StudyStatus
 from service.store.session import make_engine, make_sessionmaker
 from tests.conftest import free_port
+from tests.service.helpers import (
+    Get,
+    assert_untouched,
+    finished,
+    job_attempts,
+    kill_runner,
+    progress,
+    settings_for,
+    snapshot,
+    wait_until,
+)
 from tests.service.invariants import INTERRUPT_STEPS, check_finished_study, fault_spec
 
 pytestmark = pytest.mark.cluster
-
-Get = Callable[[str], Any]
-
-
-def settings_for(db_url: str, head: LocalRayHead, home: Path, **kw: Any) -> Settings:
-    return Settings(
-        database_url=db_url,
-        ray_address=head.dashboard_url,
-        home=home,
-        checkpoint_dir=str(home / "ckpt"),
-        reconcile_interval_s=1.0,
-        **kw,
-    )
-
-
-def wait_until(what: str, cond: Callable[[], Any], timeout: float = 300) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if out := cond():
-            return out
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def progress(get: Get, sid: int) -> dict[str, Any] | None:
-    """Once a trial is COMPLETE and another RUNNING with a checkpoint: the study's trials.
-
-    `running` holds only trials between step 40 (a checkpoint exists) and half of
-    INTERRUPT_STEPS: a trial at its last step may still show RUNNING while the runner
-    finishes it (a fused group's mates are finished one after another), and one killed
-    then would already be COMPLETE, never retried.
-    """
-    trials = get(f"/v1/studies/{sid}/trials?limit=100")["items"]
-    done = [t for t in trials if t["state"] == "COMPLETE"]
-    running = [
-        t
-        for t in trials
-        if t["state"] == "RUNNING" and 40 <= t["last_step"] <= INTERRUPT_STEPS // 2
-    ]
-    return {"done": done, "running": running} if done and running else None
-
-
-def finished(get: Get, sid: int) -> dict[str, Any] | None:
-    study: dict[str, Any] = get(f"/v1/studies/{sid}")
-    return study if study["status"] in ("COMPLETED", "FAILED", "CANCELLED") else None
-
-
-def kill_runner(head: LocalRayHead, job_id: str) -> None:
-    """SIGKILL the study's runner process (the Ray job's driver), as a crash would."""
-    client = JobLauncher(head.dashboard_url)._client
-    info = wait_until("driver pid", lambda: client.get_job_info(job_id).driver_info, timeout=60)
-    os.kill(int(info.pid), signal.SIGKILL)
-    wait_until("job death", lambda: client.get_job_status(job_id).value == "FAILED", timeout=60)
-
-
-def snapshot(trials: list[dict[str, Any]]) -> dict[int, tuple[Any, ...]]:
-    return {t["number"]: (t["finished_at"], t["final_val_loss"], t["attempts"]) for t in trials}
-
-
-def assert_untouched(before: dict[int, tuple[Any, ...]], trials: list[Any]) -> None:
-    """Trials that had completed before the fault were not run again or rewritten."""
-    after = {
-        t.number: (_iso(t.finished_at), t.final_val_loss, t.attempts)
-        for t in trials
-        if t.number in before
-    }
-    want = {n: (_iso(datetime.fromisoformat(f)), v, a) for n, (f, v, a) in before.items()}
-    assert after == want
-
-
-def _iso(d: datetime) -> str:
-    return d.replace(tzinfo=None).isoformat(timespec="seconds")
-
-
-def job_attempts(db_url: str, sid: int) -> int:
-    engine = make_engine(db_url)
-    try:
-        with make_sessionmaker(engine)() as s:
-            return int(s.scalar(select(Study.job_attempts).where(Study.id == sid)) or 0)
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture

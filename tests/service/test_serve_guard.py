@@ -33,7 +33,7 @@ from service.store.models import Study, StudyStatus
 from service.store.session import make_engine, make_sessionmaker, session_scope
 from service.store.studies import RAY_UNREACHABLE, StudyRows
 from tests.conftest import ROOT, free_port
-from tests.service.test_cli import cli_env, qkscope, ray_left
+from tests.service.helpers import cli_env, qkscope, ray_left
 
 
 def tiny_study() -> dict[str, Any]:

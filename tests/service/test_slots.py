@@ -15,9 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.control.ray_cluster import LocalRayHead
+from tests.service.helpers import wait_for, wild_and_calm, worker_pid
 from tests.service.invariants import check_finished_study
-from tests.service.test_e2e_ray import wait_for
-from tests.service.test_fused_study import wild_and_calm
 
 pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
 
@@ -93,19 +92,6 @@ def test_a_pruned_trial_frees_its_slot_while_the_others_train(
     assert max(t["duration_s"] for t in pruned) < min(t["duration_s"] for t in done)
 
 
-def _worker_pid(dashboard: str, name: str) -> int | None:
-    from ray.util.state import list_tasks
-
-    tasks = list_tasks(
-        address=dashboard,
-        filters=[("name", "=", name), ("state", "=", "RUNNING")],
-        detail=True,
-        timeout=30,
-    )
-    pids = [t.worker_pid for t in tasks if t.worker_pid]
-    return int(pids[0]) if pids else None
-
-
 def test_a_killed_slot_worker_loses_nothing_and_revives_no_stopped_trial(
     app_client: TestClient, db_url: str, ray_head: LocalRayHead
 ) -> None:
@@ -124,7 +110,7 @@ def test_a_killed_slot_worker_loses_nothing_and_revives_no_stopped_trial(
     while time.monotonic() < deadline and not victims:
         items = client.get(f"/v1/studies/{sid}/trials", params={"limit": 100}).json()["items"]
         training = [t for t in items if t["state"] == "RUNNING" and 40 <= t["last_step"] < 240]
-        if training and (pid := _worker_pid(ray_head.dashboard_url, name)) is not None:
+        if training and (pid := worker_pid(ray_head.dashboard_url, name)) is not None:
             os.kill(pid, signal.SIGKILL)
             victims = [t["number"] for t in training]
         time.sleep(0.2)
@@ -169,7 +155,7 @@ def test_a_killed_slot_worker_revives_no_pruned_trial_and_asks_only_for_free_slo
         if not victims:
             pruned = [t for t in items if t["state"] == "PRUNED"]
             training = [t for t in items if t["state"] == "RUNNING" and 40 <= t["last_step"] < 300]
-            if pruned and training and (pid := _worker_pid(ray_head.dashboard_url, name)):
+            if pruned and training and (pid := worker_pid(ray_head.dashboard_url, name)):
                 pruned_before = {
                     t["number"]: (t["state"], t["last_step"], t["finished_at"]) for t in pruned
                 }

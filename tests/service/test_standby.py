@@ -24,8 +24,7 @@ from service.control.standby import keep_standbys, retire_standbys
 from service.store import Store, utcnow
 from service.store.models import Study
 from service.store.session import session_scope
-from tests.service.test_e2e_ray import small_quickstart
-from tests.service.test_restarts import wait_until
+from tests.service.helpers import small_quickstart, wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -21,9 +21,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.control.ray_cluster import LocalRayHead
+from tests.service.helpers import wait_for, worker_pid
 from tests.service.invariants import check_finished_study
-from tests.service.test_e2e_ray import wait_for
-from tests.service.test_slots import _worker_pid
 
 pytestmark = pytest.mark.cluster
 BOUND = 0.1
@@ -155,7 +154,7 @@ def test_a_killed_worker_revives_no_trial_stopped_as_infeasible(
         items = client.get(f"/v1/studies/{sid}/trials", params={"limit": 100}).json()["items"]
         pruned = [t for t in items if t["state"] == "PRUNED"]
         training = [t for t in items if t["state"] == "RUNNING" and 20 <= t["last_step"] < 300]
-        if pruned and training and (pid := _worker_pid(ray_head.dashboard_url, name)):
+        if pruned and training and (pid := worker_pid(ray_head.dashboard_url, name)):
             stopped = {
                 t["number"]: (t["state"], t["last_step"], t["finished_at"], t["stop_reason"])
                 for t in pruned

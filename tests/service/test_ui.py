@@ -841,7 +841,7 @@ def test_the_lr_sensitivity_panel_draws_what_the_route_answers(
 ) -> None:
     """One line per group at the route's medians on a log lr axis, each group's l_0 dashed in
     its colour, its sensitivity in the legend; no panel where the study does not search lr."""
-    from tests.service.test_lr_sensitivity import seed_lr_study
+    from tests.service.lr_seed import seed_lr_study
 
     sid = seed_lr_study(db[1], "ui-lr-sensitivity")
     p = page.open(f"#/studies/{sid}", "lrsens")

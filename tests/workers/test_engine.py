@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.workers.test_fused import MEMBERS, _assert_same_evaluations, _quickstart
-from tests.workers.test_trial import Recorder, tiny
+from tests.workers.helpers import MEMBERS, Recorder, assert_same_evaluations, quickstart, tiny
 from workers.checkpoints import OWNER_FILE, STOPPED_FILE
 from workers.config import TrialConfig
 from workers.engine import (
@@ -44,7 +43,7 @@ def _engine(slots: int, finished: list[Member] | None = None) -> Engine:
 def test_a_member_that_joins_mid_run_equals_the_trial_run_alone() -> None:
     """Member 1 joins after member 0 trained 30 steps; member 2 takes member 0's slot the
     moment it stops. Each equals its run-alone twin (the fused contract, 1e-4 in float32)."""
-    configs = [_quickstart(**m, steps=60, eval_every=20) for m in MEMBERS[:3]]
+    configs = [quickstart(**m, steps=60, eval_every=20) for m in MEMBERS[:3]]
     alone = [Recorder() for _ in configs]
     for c, r in zip(configs, alone, strict=True):
         run_trial(c, r)
@@ -66,7 +65,7 @@ def test_a_member_that_joins_mid_run_equals_the_trial_run_alone() -> None:
     engine.run()
     assert [m.tag for m in finished] == [0, 1, 2]
     for a, f in zip(alone, recs, strict=True):
-        _assert_same_evaluations(a, f)
+        assert_same_evaluations(a, f)
     assert engine.steps_run == 3 * 60
 
 
@@ -294,7 +293,7 @@ def test_a_members_failing_storage_fails_it_alone_and_the_others_train_on(tmp_pa
 
 _FULL_DISK = """
 import json, resource, signal, sys
-from tests.workers.test_trial import Recorder, tiny
+from tests.workers.helpers import Recorder, tiny
 from workers.engine import Engine, autocast_for, new_member, resolve_device
 from workers.fused import FusedRunner
 
@@ -390,7 +389,7 @@ def test_a_member_without_a_pruned_objective_is_never_polled() -> None:
 def test_a_fused_member_that_hears_a_stop_leaves_and_its_mate_trains_on_unchanged() -> None:
     """Two fused members: member 0 hears its step-10 verdict 2 steps late and leaves; member 1
     equals its run-alone twin to the end (the fused contract)."""
-    configs = [_quickstart(**m, steps=40, eval_every=10) for m in MEMBERS[:2]]
+    configs = [quickstart(**m, steps=40, eval_every=10) for m in MEMBERS[:2]]
     alone = Recorder()
     run_trial(configs[1], alone)
     finished: list[Member] = []
@@ -404,5 +403,5 @@ def test_a_fused_member_that_hears_a_stop_leaves_and_its_mate_trains_on_unchange
     first = finished[0].summary
     assert first is not None and first.status == "pruned" and first.steps_done == 10
     assert hears.steps == [10]
-    _assert_same_evaluations(alone, mate)
+    assert_same_evaluations(alone, mate)
     assert engine.steps_run == 12 + 40

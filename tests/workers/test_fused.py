@@ -18,74 +18,31 @@ where fused matches alone to 1e-8 or better.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import yaml
 
-from tests.workers.test_trial import Recorder, _merge, tiny
+from tests.workers.helpers import (
+    MEMBERS,
+    REL_TOL,
+    Recorder,
+    assert_same_evaluations,
+    merge,
+    quickstart,
+    rel,
+    tiny,
+)
 from workers.config import TrialConfig, TrialSummary
 from workers.fused import FusionError, fusion_key, group_by_key, run_trial_group
 from workers.trial import run_trial
 
 REPO = Path(__file__).resolve().parents[2]
-REL_TOL = 1e-4
-
-
-def _quickstart(**over: Any) -> TrialConfig:
-    base = yaml.safe_load((REPO / "study_defs" / "quickstart.yaml").read_text())["base"]
-    data: dict[str, Any] = {**base, "device": "cpu", "dtype": "float32", "steps": 100}
-    data["eval_every"] = 25
-    for key, value in over.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    return TrialConfig.model_validate(data)
-
-
-# Four members that differ in everything a member may: lr, wd, betas, seed, regularizer kind,
-# lambda and target, QK init scale and attention temperature (the stable region: see
-# bench/README.md, "fused: equality", for what large qk_init_std does to run-alone twins).
-MEMBERS: list[dict[str, Any]] = [
-    {"seed": 0, "optim": {"lr": 3e-3}, "regularizer": {"kind": "locater", "lambda": 0.01}},
-    {
-        "seed": 1,
-        "optim": {"lr": 1e-3, "weight_decay": 0.1},
-        "regularizer": {"kind": "spectral_variance", "lambda": 0.1},
-        "model": {"qk_init_std": 0.1},
-    },
-    {
-        "seed": 2,
-        "optim": {"lr": 5e-3, "weight_decay": 0.01},
-        "regularizer": {"kind": "none"},
-        "model": {"attn_temperature": 2.0},
-    },
-    {
-        "seed": 3,
-        "optim": {"lr": 2e-3, "weight_decay": 0.05, "beta2": 0.99, "grad_clip": 0.5},
-        "regularizer": {"kind": "locater", "lambda": 0.3, "target_mean": 0.5},
-        "model": {"qk_init_std": 0.05},
-    },
-]
-
-
-def _rel(a: float | None, b: float | None) -> float:
-    assert a is not None and b is not None and math.isfinite(a) and math.isfinite(b)
-    return abs(a - b) / max(abs(a), 1e-12)
-
-
-def _assert_same_evaluations(alone: Recorder, fused: Recorder) -> None:
-    assert fused.steps == alone.steps
-    for step in alone.steps:
-        a, f = alone.at(step), fused.at(step)
-        assert set(a) == set(f)
-        for name in ("val_loss", "train_loss"):
-            assert _rel(a[(name, None, None)], f[(name, None, None)]) < REL_TOL, (step, name)
 
 
 def test_each_member_matches_the_trial_run_alone() -> None:
-    configs = [_quickstart(**m) for m in MEMBERS]
+    configs = [quickstart(**m) for m in MEMBERS]
     assert len({fusion_key(c) for c in configs}) == 1
     alone = [Recorder() for _ in configs]
     singles = [run_trial(c, r) for c, r in zip(configs, alone, strict=True)]
@@ -95,8 +52,8 @@ def test_each_member_matches_the_trial_run_alone() -> None:
         assert f.status == s.status == "completed"
         assert f.steps_done == s.steps_done == 100
         assert f.eval_steps == s.eval_steps == [25, 50, 75, 100]
-        _assert_same_evaluations(ra, rf)
-        assert _rel(s.min_norm_entropy, f.min_norm_entropy) < 1e-3
+        assert_same_evaluations(ra, rf)
+        assert rel(s.min_norm_entropy, f.min_norm_entropy) < 1e-3
     # the members really are different trials
     assert len({round(s.final_val_loss or 0.0, 6) for s in fused}) == 4
 
@@ -133,7 +90,7 @@ def test_members_match_alone_in_float64_where_float32_is_chaotic(causal: bool, s
     the bidirectional case is checked over 60 steps, before that jump.
     """
     every = steps // 3
-    configs = [_quickstart(**m, steps=steps, eval_every=every, dtype="float64") for m in CHAOTIC]
+    configs = [quickstart(**m, steps=steps, eval_every=every, dtype="float64") for m in CHAOTIC]
     configs = [
         c.model_copy(update={"model": c.model.model_copy(update={"causal": causal})})
         for c in configs
@@ -148,7 +105,7 @@ def test_members_match_alone_in_float64_where_float32_is_chaotic(causal: bool, s
         for step in a.steps:
             for name in ("val_loss", "train_loss"):
                 key = (name, None, None)
-                assert _rel(a.at(step)[key], f.at(step)[key]) < F64_REL_TOL, (step, name)
+                assert rel(a.at(step)[key], f.at(step)[key]) < F64_REL_TOL, (step, name)
 
 
 def test_fused_float64_trains_in_float64() -> None:
@@ -195,7 +152,7 @@ def test_a_diverging_member_stops_at_its_step_and_leaves_the_others_alone() -> N
     assert wild_f.diverged_at_step == alone_wild.diverged_at_step
     assert wild_f.steps_done == alone_wild.steps_done
     assert wild_f.eval_steps == alone_wild.eval_steps
-    _assert_same_evaluations(alone_calm, rec)
+    assert_same_evaluations(alone_calm, rec)
 
 
 def test_a_pruned_member_stops_and_the_others_go_on() -> None:
@@ -206,7 +163,7 @@ def test_a_pruned_member_stops_and_the_others_go_on() -> None:
     assert out[1].steps_done == 10 and recs[1].steps == [5, 10]
     alone = Recorder()
     run_trial(configs[2], alone)
-    _assert_same_evaluations(alone, recs[2])
+    assert_same_evaluations(alone, recs[2])
 
 
 def test_group_resumes_from_member_checkpoints_and_alone_from_a_fused_one(tmp_path: Path) -> None:
@@ -232,10 +189,10 @@ def test_group_resumes_from_member_checkpoints_and_alone_from_a_fused_one(tmp_pa
         got, want = r_res.stream(), r_full.stream(after=last)
         assert [g[:4] for g in got] == [w[:4] for w in want]
         for g, w in zip(got, want, strict=True):
-            assert _rel(g[4], w[4]) < 1e-5, (g, w)
+            assert rel(g[4], w[4]) < 1e-5, (g, w)
         assert s_out.eval_steps == s_ref.eval_steps and s_out.status == s_ref.status
         assert s_out.steps_done == s_ref.steps_done
-        assert _rel(s_out.final_val_loss, s_ref.final_val_loss) < 1e-5
+        assert rel(s_out.final_val_loss, s_ref.final_val_loss) < 1e-5
     # a fused member's checkpoint resumes as a plain trial, with the same result
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_trial_group(cfgs("c"), [Recorder(crash_at_step=15), Recorder()])
@@ -244,7 +201,7 @@ def test_group_resumes_from_member_checkpoints_and_alone_from_a_fused_one(tmp_pa
     assert alone.steps == [15, 20]
     for step in (15, 20):
         val = ("val_loss", None, None)
-        assert _rel(alone.at(step)[val], full[0].at(step)[val]) < REL_TOL
+        assert rel(alone.at(step)[val], full[0].at(step)[val]) < REL_TOL
     assert s_alone.eval_steps == ref[0].eval_steps
 
 
@@ -290,7 +247,7 @@ def test_architecture_variants_match_alone(model: dict[str, Any]) -> None:
     recs = [Recorder(), Recorder()]
     run_trial_group(configs, recs)
     for a, f in zip(alone, recs, strict=True):
-        _assert_same_evaluations(a, f)
+        assert_same_evaluations(a, f)
 
 
 def test_members_with_different_mlp_init_std_share_a_group_and_match_alone() -> None:
@@ -306,7 +263,7 @@ def test_members_with_different_mlp_init_std_share_a_group_and_match_alone() -> 
     recs = [Recorder(), Recorder()]
     fused = run_trial_group(configs, recs)
     for a, f in zip(alone, recs, strict=True):
-        _assert_same_evaluations(a, f)
+        assert_same_evaluations(a, f)
     assert singles[0].final_val_loss != singles[1].final_val_loss
     assert [s.final_val_loss for s in fused] != [fused[0].final_val_loss] * 2
 
@@ -354,8 +311,8 @@ PROBED = ("val_loss", "train_loss", "output_log_z")
 
 
 def _option_configs(option: dict[str, Any], **extra: Any) -> list[TrialConfig]:
-    first = tiny(**_merge({"steps": 20, "model": {"qk_init_std": 0.05}}, {**option, **extra}))
-    data = _merge(first.model_dump(by_alias=True), SECOND)
+    first = tiny(**merge({"steps": 20, "model": {"qk_init_std": 0.05}}, {**option, **extra}))
+    data = merge(first.model_dump(by_alias=True), SECOND)
     return [first, TrialConfig.model_validate(data)]
 
 
@@ -365,10 +322,10 @@ def _assert_probes_match(alone: Recorder, fused: Recorder, tol: float) -> None:
         a, f = alone.at(step), fused.at(step)
         assert set(a) == set(f)
         for name in PROBED:
-            assert _rel(a[(name, None, None)], f[(name, None, None)]) < tol, (step, name)
+            assert rel(a[(name, None, None)], f[(name, None, None)]) < tol, (step, name)
         for key, v in a.items():
             if key[0] == "attn_logit_max":
-                assert _rel(v, f[key]) < 10 * tol, (step, key)
+                assert rel(v, f[key]) < 10 * tol, (step, key)
 
 
 @pytest.mark.parametrize("option", list(OPTIONS), ids=list(OPTIONS))
@@ -384,7 +341,7 @@ def test_every_model_option_matches_alone_fused(option: str) -> None:
         _assert_probes_match(a, f, REL_TOL)
     for s, f in zip(singles, fused, strict=True):
         assert f.status == s.status == "completed"
-        assert _rel(s.max_attn_logit_ever, f.max_attn_logit_ever) < 1e-3
+        assert rel(s.max_attn_logit_ever, f.max_attn_logit_ever) < 1e-3
 
 
 def test_all_options_together_match_alone_fused_in_float64() -> None:

@@ -10,7 +10,7 @@ import typing
 from typing import Any
 
 from tests.conftest import ROOT
-from tests.workers.test_trial import Recorder, tiny
+from tests.workers.helpers import Recorder, tiny
 from workers.metric_names import (
     FLAG_SUMMARIES,
     INTERMEDIATE_SUMMARIES,

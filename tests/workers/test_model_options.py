@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from tests.workers.test_trial import Recorder, tiny
+from tests.workers.helpers import Recorder, tiny
 from workers.config import ModelConfig
 from workers.engine import make_optimizer
 from workers.model import GPT, SigmaReparamLinear, apply_rotary, rotary_tables

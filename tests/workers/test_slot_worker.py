@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from tests.workers.test_trial import tiny
+from tests.workers.helpers import tiny
 from workers.engine import build_model
 from workers.fusion_plan import (
     AUTO_FUSE_MAX_FLOPS,

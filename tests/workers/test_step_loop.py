@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tests.workers.test_trial import Recorder, tiny
+from tests.workers.helpers import Recorder, tiny
 from workers.config import TrialConfig
 from workers.fused import run_trial_group
 from workers.tasks import build_task

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.workers.test_trial import Recorder, tiny
+from tests.workers.helpers import Recorder, tiny
 from workers.config import TrialConfig
 from workers.fused import run_trial_group
 from workers.metric_names import SUMMARIES

@@ -16,8 +16,7 @@ import math
 
 import torch
 
-from tests.workers.test_fused import _assert_same_evaluations
-from tests.workers.test_trial import Recorder, tiny
+from tests.workers.helpers import Recorder, assert_same_evaluations, tiny
 from workers.fused import fusion_key, group_by_key, run_trial_group
 from workers.model import GPT, Block, ModelConfig
 from workers.trial import run_trial
@@ -92,7 +91,7 @@ def test_token_scale_members_share_a_fused_group_and_match_alone() -> None:
     fused = [Recorder(), Recorder()]
     run_trial_group(configs, fused)
     for a, f in zip(alone, fused, strict=True):
-        _assert_same_evaluations(a, f)
+        assert_same_evaluations(a, f)
     assert singles[0].final_val_loss != singles[1].final_val_loss
 
 

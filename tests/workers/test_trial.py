@@ -19,9 +19,9 @@ import pytest
 import torch
 import yaml
 
+from tests.workers.helpers import TINY, Recorder, merge, tiny
 from workers.tasks import build_task
 from workers.trial import (
-    MetricPoint,
     TrialConfig,
     TrialSummary,
     build_model,
@@ -37,75 +37,7 @@ WIKITEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2
 TIMING_FIELDS = {"wall_time_s", "tokens_per_s", "config_hash"}
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-TINY: dict[str, Any] = {
-    "task": {
-        "kind": "associative_recall",
-        "seq_len": 16,
-        "n_pairs": 4,
-        "n_symbols": 8,
-        "n_valid": 32,
-    },
-    "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64},
-    "batch_size": 8,
-    "steps": 20,
-    "eval_every": 5,
-    "eval_batches": 2,
-    "probe_batch_size": 4,
-    "device": "cpu",
-    "seed": 0,
-}
-
-
-def tiny(**over: Any) -> TrialConfig:
-    return TrialConfig.model_validate(_merge(TINY, over))
-
-
 Key = tuple[int, str, int | None, int | None]
-
-
-class Recorder:
-    """A reporter that keeps every report; optionally stops or crashes at a given report."""
-
-    def __init__(self, stop_at_report: int | None = None, crash_at_step: int | None = None) -> None:
-        self.reports: list[tuple[int, list[MetricPoint]]] = []
-        self.values: dict[int, float | None] = {}  # the intermediate value of each report
-        self.stop_at_report = stop_at_report
-        self.crash_at_step = crash_at_step
-
-    def report(self, step: int, metrics: list[MetricPoint], value: float | None) -> str | None:
-        if self.crash_at_step is not None and step == self.crash_at_step:
-            raise RuntimeError(f"simulated crash at step {step}")
-        self.reports.append((step, list(metrics)))
-        self.values[step] = value
-        if self.stop_at_report is not None and len(self.reports) == self.stop_at_report:
-            return f"the test stops it at report {len(self.reports)}"
-        return None
-
-    @property
-    def steps(self) -> list[int]:
-        return [s for s, _ in self.reports]
-
-    def stream(self, after: int = 0) -> list[tuple[int, str, int | None, int | None, float]]:
-        """Every reported number as (step, name, layer, head, value), in report order."""
-        return [
-            (s, p.name, p.layer, p.head, p.value)
-            for s, points in self.reports
-            if s > after
-            for p in points
-        ]
-
-    def at(self, step: int) -> dict[tuple[str, int | None, int | None], float]:
-        for s, points in self.reports:
-            if s == step:
-                return {(p.name, p.layer, p.head): p.value for p in points}
-        raise KeyError(step)
 
 
 def _summary_sans_timing(s: TrialSummary) -> dict[str, Any]:
@@ -333,7 +265,7 @@ def test_reporter_receives_every_metric(n_layers: int, n_heads: int) -> None:
 
 def test_cli_prints_json_summary(tmp_path: Path) -> None:
     cfg_path = tmp_path / "trial.yaml"
-    cfg_path.write_text(yaml.safe_dump(_merge(TINY, {"steps": 10})))
+    cfg_path.write_text(yaml.safe_dump(merge(TINY, {"steps": 10})))
     proc = subprocess.run(
         [sys.executable, "-m", "workers.trial", str(cfg_path)],
         cwd=REPO,

@@ -16,7 +16,7 @@ from service.runner.configs import slot_key
 from service.runner.records import Status, TrialRecord
 from service.runner.scheduler import Scheduler
 from service.spec import StudySpec
-from tests.workers.test_trial import TINY
+from tests.workers.helpers import TINY
 from workers.config import TrialConfig, TrialSummary
 from workers.messages import Assignment, Failed, HandedBack, Started, Stopped
 

@@ -20,7 +20,7 @@ from service.store import Store, migrate
 from service.store.models import TrialState
 from service.store.session import make_engine, make_sessionmaker
 from service.store.trials import ResultRow, recorded_outcomes
-from tests.workers.test_trial import TINY
+from tests.workers.helpers import TINY
 from workers.config import TrialSummary
 
 BASE_STEPS, TRIAL_STEPS, FRACTION = 40, 200, 0.5

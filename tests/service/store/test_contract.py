@@ -25,7 +25,7 @@ from service.store.session import (
     session_scope,
 )
 from service.store.trials import ResultRow
-from tests.service.test_e2e_ray import small_quickstart
+from tests.service.helpers import small_quickstart
 
 
 def _study(store: Store) -> int:

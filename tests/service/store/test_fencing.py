@@ -31,7 +31,7 @@ from service.store.models import Metric, Study, StudyStatus, Trial, TrialState
 from service.store.optuna import optuna_storage, optuna_study_name
 from service.store.session import make_engine, make_sessionmaker
 from service.store.trials import ResultRow, StartRow
-from tests.workers.test_trial import TINY
+from tests.workers.helpers import TINY
 from workers.config import TrialSummary
 from workers.messages import Assignment, Batch, Stopped
 

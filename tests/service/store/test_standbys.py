@@ -14,7 +14,7 @@ from service.spec import StudySpec
 from service.store import STANDBY, Store, Waiting, utcnow
 from service.store.models import Study, StudyStatus
 from service.store.session import session_scope
-from tests.service.test_e2e_ray import small_quickstart
+from tests.service.helpers import small_quickstart
 
 
 def _spec(name: str = "claimer") -> StudySpec:
