@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError
 from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
+from service.api.admission import admit
 from service.api.deps import (
     MAX_ID,
     LauncherDep,
@@ -128,6 +129,7 @@ async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
         413: error("the body is larger than QKSCOPE_MAX_BODY_BYTES"),
         415: error("a content type other than JSON or YAML"),
         422: error("an invalid study definition, every bad field named in errors[].field"),
+        429: error("as many studies are live as QKSCOPE_MAX_LIVE_STUDIES allows; see Retry-After"),
     },
 )
 async def submit_study(
@@ -195,7 +197,8 @@ def _store_and_launch(
                 "; ".join(f"{f}: {m}" for f, m in unmet_),
                 [FieldError(field=f, message=m) for f, m in unmet_],
             )
-    row, created = store.studies.create(spec, idempotency_key)
+    with admit(state.sessions, settings, idempotency_key):  # a 429 past the live cap
+        row, created = store.studies.create(spec, idempotency_key)
     if not created:
         return StudyOut.of(row), False
     if launcher is not None:
