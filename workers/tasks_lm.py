@@ -16,7 +16,14 @@ from torch import Tensor
 from workers.config_sections import TaskConfig
 from workers.tasks_base import check_batch_args
 
-__all__ = ["EOS_TOKEN", "MAX_VALID_BATCHES", "UNK_TOKEN", "LMTask", "clear_corpus_cache"]
+__all__ = [
+    "EOS_TOKEN",
+    "MAX_VALID_BATCHES",
+    "UNK_TOKEN",
+    "DataOutsideRoot",
+    "LMTask",
+    "clear_corpus_cache",
+]
 
 UNK_TOKEN = "<unk>"
 """Language-modelling token for anything outside the vocabulary; always id 0."""
@@ -94,6 +101,28 @@ def _read_split(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
+class DataOutsideRoot(ValueError):
+    """A trial's data resolves outside the data directory it was allowed."""
+
+
+def _check_inside(config: TaskConfig, root: str, paths: tuple[Path, ...]) -> None:
+    """Every path (resolved: symlinks followed) inside `root` (resolved too). The service
+    checked `data_dir` at the POST, but a directory absent then can be a symlink out of the
+    root by the time a trial opens it: checked again here, where the files are read. The
+    error names the data_dir as the study gave it, never where it leads."""
+    base = Path(root).expanduser().resolve()
+    given = Path(str(config.data_dir))
+    if given.is_relative_to(root):  # the runner joined the study's path to the root
+        given = given.relative_to(root)
+    for path in paths:
+        if path != base and base not in path.parents:
+            raise DataOutsideRoot(
+                f"task.data_dir {str(given)!r} (or one of its split files) resolves "
+                "outside the data directory (QKSCOPE_DATA_DIR): refused; it must stay inside "
+                "it, symlinks included"
+            )
+
+
 def _load_corpus(config: TaskConfig) -> _Corpus:
     """Load, tokenize and encode the train/valid splits, memoized per process.
 
@@ -102,8 +131,10 @@ def _load_corpus(config: TaskConfig) -> _Corpus:
     """
     assert config.data_dir is not None  # guaranteed by TaskConfig validation
     data_dir = Path(config.data_dir).expanduser().resolve()
-    train_path = data_dir / f"{config.train_split}.txt"
-    valid_path = data_dir / f"{config.valid_split}.txt"
+    train_path = (data_dir / f"{config.train_split}.txt").resolve()
+    valid_path = (data_dir / f"{config.valid_split}.txt").resolve()
+    if config.data_root is not None:
+        _check_inside(config, config.data_root, (data_dir, train_path, valid_path))
     stats: list[tuple[int, int]] = []
     for path in (train_path, valid_path):
         if not path.is_file():
