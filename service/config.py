@@ -94,6 +94,10 @@ class Settings(BaseSettings):
     # the live cap is then also head_memory_bytes // head_bytes_per_study.
     head_memory_bytes: int = Field(0, ge=0)
     head_bytes_per_study: int = Field(512 * 2**20, ge=2**20)
+    # How long a client may take to send one request, headers and body, from its first byte
+    # (the connection's start, for the first): slower ones get a 408 and are closed before any
+    # route runs (service/http_guard.py; `qkscope serve`).
+    read_timeout_s: float = Field(20.0, gt=0.0)
     # Messages the runner's inbox buffers before a worker's next message waits for room
     # (workers/inbox.py): a slow runner slows its workers, never loses or piles up messages.
     inbox_max_messages: int = Field(1000, ge=1)
