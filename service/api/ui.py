@@ -38,7 +38,13 @@ def ui_config(settings: SettingsDep) -> UiConfigOut:
     )
 
 
-@router.post("/ui/session", status_code=status.HTTP_204_NO_CONTENT, response_class=Response)
+# The web UI's own plumbing, like its files: behind the token, left out of the OpenAPI document.
+@router.post(
+    "/ui/session",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+    include_in_schema=False,
+)
 def open_ui(request: Request) -> Response:
     """For the bearer token this request carries (checked like every route's), the cookie
     `qkscope_ui` that lets this browser load the UI's files (HttpOnly, SameSite=Strict,
@@ -59,7 +65,12 @@ def open_ui(request: Request) -> Response:
     return response
 
 
-@router.delete("/ui/session", status_code=status.HTTP_204_NO_CONTENT, response_class=Response)
+@router.delete(
+    "/ui/session",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+    include_in_schema=False,
+)
 def close_ui() -> Response:
     """Forget the UI cookie in this browser (the page's "forget token")."""
     response = Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -21,7 +21,13 @@ PUBLIC = {"/healthz"}
 # Static files served without a token: the web UI's pages and scripts carry no data and no
 # secrets; every data route they call is in the route table below and needs the token.
 PUBLIC_MOUNTS = {"/ui"}
-DOCS = {("GET", "/openapi.json"), ("GET", "/docs")}  # not in the schema, behind the token too
+# Not in the schema, behind the token too: the docs, and the web UI's cookie for its files.
+DOCS = {
+    ("GET", "/openapi.json"),
+    ("GET", "/docs"),
+    ("POST", "/v1/ui/session"),
+    ("DELETE", "/v1/ui/session"),
+}
 SPEC = {"name": "auth-study", "budget": {"n_trials": 2}}
 
 
