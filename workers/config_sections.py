@@ -195,24 +195,22 @@ class TaskConfig(pydantic.BaseModel):
                 "(vocab_cap most frequent tokens and <unk>); leave vocab_size out, or use "
                 "tokenizer: bpe, bytes or file",
             )
-        if self.format != "bin" and self.tokenizer in ("bpe", "bytes") and v is not None:
-            if v < BYTE_VOCAB:
-                raise _refuse(
-                    name,
-                    ("vocab_size",),
-                    v,
-                    f"tokenizer: {self.tokenizer} needs vocab_size >= {BYTE_VOCAB} "
-                    "(the 256 byte values are its base alphabet)",
-                )
-        if self.format == "bin" and self.token_dtype == "uint16" and v is not None:
-            if v > 2**16:
-                raise _refuse(
-                    name,
-                    ("token_dtype",),
-                    self.token_dtype,
-                    f"uint16 holds ids below 65536, and vocab_size is {v}: use token_dtype: "
-                    "uint32",
-                )
+        text_bytes = self.format != "bin" and self.tokenizer in ("bpe", "bytes")
+        if text_bytes and v is not None and v < BYTE_VOCAB:
+            raise _refuse(
+                name,
+                ("vocab_size",),
+                v,
+                f"tokenizer: {self.tokenizer} needs vocab_size >= {BYTE_VOCAB} "
+                "(the 256 byte values are its base alphabet)",
+            )
+        if self.format == "bin" and self.token_dtype == "uint16" and v is not None and v > 2**16:
+            raise _refuse(
+                name,
+                ("token_dtype",),
+                self.token_dtype,
+                f"uint16 holds ids below 65536, and vocab_size is {v}: use token_dtype: uint32",
+            )
         if self.format != "bin" and self.tokenizer == "file":
             path = PurePosixPath(self.tokenizer_file)
             f = self.tokenizer_file

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from workers.config_sections import TaskConfig
-from workers.data.corpus import clear_token_cache, load_token_corpus
+from workers.data.corpus import clear_token_cache, load_token_corpus, source_stats, split_texts
 from workers.tasks_base import check_batch_args
 
 __all__ = ["EOS_TOKEN", "MAX_VALID_BATCHES", "UNK_TOKEN", "LMTask", "clear_corpus_cache"]
@@ -103,20 +103,24 @@ def _load_corpus(config: TaskConfig) -> _Corpus:
     """Load, tokenize and encode the train/valid splits, memoized per process.
 
     The cache key includes each file's modification time and size so an edited file is not
-    served stale from the cache.
+    served stale from the cache. The splits are `<split>.txt`, or with `format: dataset` the
+    text of a dataset's rows (workers/data/corpus.py).
     """
     assert config.data_dir is not None  # guaranteed by TaskConfig validation
     data_dir = Path(config.data_dir).expanduser().resolve()
-    train_path = data_dir / f"{config.train_split}.txt"
-    valid_path = data_dir / f"{config.valid_split}.txt"
-    stats: list[tuple[int, int]] = []
-    for path in (train_path, valid_path):
-        if not path.is_file():
-            raise FileNotFoundError(f"lm data file not found: {path}")
-        st = path.stat()
-        stats.append((st.st_mtime_ns, st.st_size))
+    if config.format == "dataset":
+        stats: list[tuple[int, int]] = [st[1:] for st in source_stats(config, data_dir)]
+    else:
+        train_path = data_dir / f"{config.train_split}.txt"
+        valid_path = data_dir / f"{config.valid_split}.txt"
+        stats = []
+        for path in (train_path, valid_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"lm data file not found: {path}")
+            st = path.stat()
+            stats.append((st.st_mtime_ns, st.st_size))
     key: _CorpusKey = (
-        str(data_dir),
+        str(data_dir) if config.format == "text" else f"{data_dir}:{config.text_column}",
         config.train_split,
         config.valid_split,
         config.tokenizer,
@@ -128,9 +132,13 @@ def _load_corpus(config: TaskConfig) -> _Corpus:
         cached = _CORPUS_CACHE.get(key)
         if cached is not None:
             return cached
+        if config.format == "dataset":
+            train_text, valid_text = split_texts(config, data_dir)
+        else:
+            train_text, valid_text = _read_split(train_path), _read_split(valid_path)
         level: Literal["word", "char"] = "char" if config.tokenizer == "char" else "word"
-        train_tokens = _tokenize(_read_split(train_path), level, config.max_train_tokens)
-        valid_tokens = _tokenize(_read_split(valid_path), level, None)
+        train_tokens = _tokenize(train_text, level, config.max_train_tokens)
+        valid_tokens = _tokenize(valid_text, level, None)
         vocab = _build_vocab(train_tokens, config.vocab_cap)
         stoi = {tok: i for i, tok in enumerate(vocab)}
         corpus = _Corpus(
@@ -153,8 +161,8 @@ class LMTask:
     def __init__(self, config: TaskConfig) -> None:
         """Load (or fetch from the cache) the corpus named by ``config``.
 
-        Word and char on text hold both splits as int64 tensors and their vocabulary's
-        tokens (`vocab`); the docs/your-data.md forms hold them as unsigned numpy arrays
+        Word and char (on text or a dataset) hold both splits as int64 tensors and their
+        vocabulary's tokens (`vocab`); the other forms hold them as unsigned numpy arrays
         (memory-mapped from `.bin` files and the token cache), `vocab` empty and the
         `tokenizers.Tokenizer` of bpe and file in `tokenizer`.
         """
@@ -163,7 +171,7 @@ class LMTask:
         self.tokenizer: Any = None
         self.train_ids: Tensor | np.ndarray
         self.valid_ids: Tensor | np.ndarray
-        if config.format == "text" and config.tokenizer in ("word", "char"):
+        if config.format != "bin" and config.tokenizer in ("word", "char"):
             corpus = _load_corpus(config)
             self.vocab: tuple[str, ...] = corpus.vocab
             self.vocab_size: int = len(corpus.vocab)

@@ -23,7 +23,7 @@ from service.spec.space import check_memory, check_search_space, worst_points
 
 if TYPE_CHECKING:
     from service.spec.limits import Limits
-    from workers.config import TrialConfig
+    from workers.config import TaskConfig, TrialConfig
     from workers.data.layout import DataProblem
 
 __all__ = [

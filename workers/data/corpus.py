@@ -45,6 +45,8 @@ __all__ = [
     "dataset_text",
     "load_split",
     "load_token_corpus",
+    "source_stats",
+    "split_texts",
 ]
 
 
@@ -100,6 +102,23 @@ def _stat(path: Path) -> tuple[str, int, int]:
     return (str(path), st.st_mtime_ns, st.st_size)
 
 
+def source_stats(task: TaskConfig, data_dir: Path) -> tuple[tuple[str, int, int], ...]:
+    """(path, modification time, size) of each file the task's data is read from."""
+    return tuple(_stat(p) for p in _sources(task, data_dir))
+
+
+def split_texts(task: TaskConfig, data_dir: Path) -> tuple[str, str]:
+    """The training and validation text of a `format: text` or `dataset` task (checked first:
+    a problem raises `DataError` naming the field)."""
+    problems = check_data(task, data_dir, str(data_dir), scan_tokens=None)
+    if problems:
+        raise DataError("; ".join(f"task.{p.field}: {p.message}" for p in problems))
+    return (
+        _read_text(task, data_dir, "train_split", task.train_split),
+        _read_text(task, data_dir, "valid_split", task.valid_split),
+    )
+
+
 def load_token_corpus(task: TaskConfig) -> TokenCorpus:
     """The corpus of an lm task of a docs/your-data.md form, loaded once per process."""
     assert task.data_dir is not None  # TaskConfig requires it for lm
@@ -107,7 +126,7 @@ def load_token_corpus(task: TaskConfig) -> TokenCorpus:
     key = (
         str(data_dir),
         task.model_dump_json(exclude={"seq_len", "n_symbols", "n_pairs", "n_valid"}),
-        tuple(_stat(p) for p in _sources(task, data_dir)),
+        source_stats(task, data_dir),
     )
     with _LOCK:
         cached = _CACHE.get(key)
@@ -122,21 +141,18 @@ def _fail(field: str, message: str) -> DataError:
 
 
 def _load(task: TaskConfig, data_dir: Path) -> TokenCorpus:
-    problems = check_data(task, data_dir, str(data_dir), scan_tokens=None)
-    if problems:
-        raise DataError("; ".join(f"task.{p.field}: {p.message}" for p in problems))
     if task.format == "bin":
+        problems = check_data(task, data_dir, str(data_dir), scan_tokens=None)
+        if problems:
+            raise DataError("; ".join(f"task.{p.field}: {p.message}" for p in problems))
         dtype = np.dtype(task.token_dtype)
         assert task.vocab_size is not None
-        train, valid = (
+        mapped: list[np.ndarray] = [
             np.memmap(bin_path(data_dir, s), dtype=dtype, mode="r")
             for s in (task.train_split, task.valid_split)
-        )
-        return TokenCorpus(task.vocab_size, _truncate(task, train), valid)
-    train_text, valid_text = (
-        _read_text(task, data_dir, field, split)
-        for field, split in (("train_split", task.train_split), ("valid_split", task.valid_split))
-    )
+        ]
+        return TokenCorpus(task.vocab_size, _truncate(task, mapped[0]), mapped[1])
+    train_text, valid_text = split_texts(task, data_dir)
     vocab = task.fixed_vocab_size
     assert vocab is not None  # bytes, bpe and file all fix it
     if task.tokenizer == "bytes":
@@ -149,9 +165,9 @@ def _load(task: TaskConfig, data_dir: Path) -> TokenCorpus:
     n_ids = tokenizer_ids(tokenizer)
     if n_ids > vocab:  # a file checked above, or a BPE that outgrew its size: never
         raise _fail("vocab_size", f"the tokenizer gives ids up to {n_ids - 1}, past {vocab}")
-    train = encode_text(tokenizer, n_ids, train_text, cache)
-    valid = encode_text(tokenizer, n_ids, valid_text, cache)
-    return TokenCorpus(vocab, _truncate(task, train), valid, tokenizer, path)
+    train_ids = encode_text(tokenizer, n_ids, train_text, cache)
+    valid_ids = encode_text(tokenizer, n_ids, valid_text, cache)
+    return TokenCorpus(vocab, _truncate(task, train_ids), valid_ids, tokenizer, path)
 
 
 def _truncate(task: TaskConfig, ids: np.ndarray) -> np.ndarray:

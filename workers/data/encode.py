@@ -110,13 +110,18 @@ def trained_bpe(text: str, vocab_size: int, cache: Path) -> tuple[Any, Path]:
 def _encode_lines(tokenizer: Any, text: str, dtype: type[np.unsignedinteger[Any]]) -> np.ndarray:
     parts: list[np.ndarray] = []
     batch: list[str] = []
+
+    def flush() -> None:
+        encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
+        parts.extend(np.asarray(e.ids, dtype=dtype) for e in encodings)
+        batch.clear()
+
     for line in lines(text):
         batch.append(line)
         if len(batch) == ENCODE_LINES:
-            parts += [np.asarray(e.ids, dtype=dtype) for e in tokenizer.encode_batch(batch, add_special_tokens=False)]
-            batch = []
+            flush()
     if batch:
-        parts += [np.asarray(e.ids, dtype=dtype) for e in tokenizer.encode_batch(batch, add_special_tokens=False)]
+        flush()
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
@@ -142,4 +147,3 @@ def encode_text(tokenizer: Any, n_ids: int, text: str, cache: Path) -> np.ndarra
     except ValueError:  # numpy cannot map an empty array
         out = np.load(path)
     return out
-

@@ -102,7 +102,9 @@ def dataset_split(data_dir: Path, split: str) -> DatasetSplit | None:
     return None
 
 
-def first_id_past(path: Path, dtype: str, vocab_size: int, limit: int | None) -> tuple[int, int] | None:
+def first_id_past(
+    path: Path, dtype: str, vocab_size: int, limit: int | None
+) -> tuple[int, int] | None:
     """The first token id >= `vocab_size` in the `.bin` file at `path` and its position, among
     its first `limit` ids (all with None), read in chunks; None when there is none."""
     import numpy as np
@@ -122,7 +124,10 @@ def _split_fields(task: TaskConfig) -> tuple[tuple[str, str], ...]:
 
 
 def check_data(
-    task: TaskConfig, data_dir: Path, shown: str, scan_tokens: int | None = POST_SCAN_TOKENS
+    task: TaskConfig,
+    data_dir: Path,
+    shown: str,
+    scan_tokens: int | None = POST_SCAN_TOKENS,
 ) -> list[DataProblem]:
     """The problems of `task`'s data in `data_dir` (`shown` is how messages name that
     directory), for the forms `needs_data_check` covers; [] when it looks loadable."""
