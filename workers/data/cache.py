@@ -75,6 +75,7 @@ def content_key(**parts: Any) -> str:
 def locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on `<path>.lock` (blocks while another process holds it)."""
     lock = path.with_name(path.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
     with lock.open("a") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
