@@ -178,6 +178,11 @@ def _escaping_files(task: TaskConfig, base: Path) -> list[DataProblem]:
     assert task.data_dir is not None
     d = base / task.data_dir
     files: list[tuple[str, Path]] = []
+    if task.format == "dataset":  # read to find the splits: checked before it is read
+        listing = d / "dataset_dict.json"
+        target = listing.resolve() if listing.is_symlink() else listing
+        if base not in target.parents:
+            return [DataProblem("data_dir", FILE_RULE)]
     for field, split in (("train_split", task.train_split), ("valid_split", task.valid_split)):
         if task.format == "bin":
             files.append((field, bin_path(d, split)))

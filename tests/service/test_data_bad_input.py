@@ -55,6 +55,9 @@ def data_root(tmp_path: Path) -> Path:
     (secret / "train.txt").write_text("outside the root")
     link = text_dir(root / "link", valid=valid)
     (link / "train.txt").symlink_to(secret / "train.txt")
+    (secret / "dataset_dict.json").write_text('{"splits": ["train", "valid"]}')
+    (root / "ds-link").mkdir()
+    (root / "ds-link" / "dataset_dict.json").symlink_to(secret / "dataset_dict.json")
     return root
 
 
@@ -143,6 +146,9 @@ def test_bad_data_settings_are_422s_naming_the_field_and_nothing_is_written(
             # a symlink out of the root: the rule, whatever is outside
             out = check_rejected(c, study({"data_dir": "link", "tokenizer": "bytes"}), JSON)
             assert [e["field"] for e in out["errors"]] == ["base.task.train_split"], out
+            assert out["errors"][0]["message"] == FILE_RULE, out
+            out = check_rejected(c, study({"data_dir": "ds-link", "format": "dataset"}), JSON)
+            assert [e["field"] for e in out["errors"]] == ["base.task.data_dir"], out
             assert out["errors"][0]["message"] == FILE_RULE, out
             # a vocabulary the deployment's limits refuse (the memory of the logits)
             big = study({"data_dir": "wt", "tokenizer": "bpe", "vocab_size": 4_000_000})
