@@ -425,6 +425,14 @@ def test_dataset_layouts_are_found_and_problems_name_their_field(
     assert bytes(np.asarray(task.valid_ids)) == b"a b\nc\n"  # the null row skipped
     with pytest.raises(DataError, match=r"task\.text_column: column 'n' holds"):
         build_task(lm(d, format="dataset", text_column="n", valid_split="train"), 0)
+    # a JSON array (not JSON lines) under .json: not checkable cheaply, read by the worker
+    arr = tmp_path / "array"
+    arr.mkdir()
+    (arr / "train.json").write_text(json.dumps([{"text": "a b c d e f g h i"}] * 5), "utf-8")
+    (arr / "valid.json").write_text(json.dumps([{"text": "x y"}, {"text": "z"}]), "utf-8")
+    assert check_data(lm(arr, format="dataset", tokenizer="bytes"), arr, "array") == []
+    task = build_task(lm(arr, format="dataset", tokenizer="bytes", seq_len=4), 0)
+    assert bytes(np.asarray(task.valid_ids)) == b"x y\nz\n"
 
 
 # ---- the config, and what stays as it was ---------------------------------------------------

@@ -249,16 +249,16 @@ def _dataset_columns(where: DatasetSplit) -> tuple[set[str] | None, int | None]:
             rows += meta.num_rows
         return columns, rows
     if where.kind == "json":
-        rows = 0
         for path in where.paths:
             with path.open("rb") as f:
                 for raw in f:
                     if raw.strip():
-                        record = json.loads(raw)
-                        if not isinstance(record, dict):
-                            raise ValueError(f"{path.name}: a line is not a JSON object")
-                        return set(record), 1
-        return None, rows
+                        try:
+                            record = json.loads(raw)
+                        except ValueError:  # not JSON lines (a JSON array?): the worker reads it
+                            return None, None
+                        return (set(record), 1) if isinstance(record, dict) else (None, None)
+        return None, 0
     info = where.paths[0] / "dataset_info.json"
     features = json.loads(info.read_text(encoding="utf-8")).get("features", {})
     return set(features), _disk_rows(where.paths[0])
