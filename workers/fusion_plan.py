@@ -212,11 +212,15 @@ AUTO_FUSE_GPU = 8
 
 
 def vocab_bound(config: TrialConfig) -> int:
-    """The task's vocabulary, or an upper bound of it, without building the task: the cap
-    for language modelling, 2 x symbols + 2 for the synthetic tasks (associative recall;
-    sort and copy use symbols + 2)."""
+    """The task's vocabulary, or an upper bound of it, without building the task: for
+    language modelling the size the config fixes (`TaskConfig.fixed_vocab_size`) or the cap
+    (word and char), 2 x symbols + 2 for the synthetic tasks (associative recall; sort and
+    copy use symbols + 2)."""
     t = config.task
-    return t.vocab_cap if t.kind == "lm" else 2 * t.n_symbols + 2
+    if t.kind != "lm":
+        return 2 * t.n_symbols + 2
+    fixed = t.fixed_vocab_size
+    return t.vocab_cap if fixed is None else fixed
 
 
 def step_flops(config: TrialConfig, vocab_size: int | None = None) -> float:

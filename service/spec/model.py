@@ -348,9 +348,14 @@ def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
 
 
 def vocab_size(config: TrialConfig) -> int:
-    """Tokens of the model's vocabulary: the corpus's cap plus <unk>/<eos> for lm, else the
-    synthetic task's symbols and its markers."""
-    return config.task.vocab_cap + 2 if config.task.kind == "lm" else 4 * config.task.n_symbols + 4
+    """Tokens of the model's vocabulary: for lm the size the config fixes (`task.vocab_size`
+    of bin, bpe and file; 256 for bytes) or, for word and char, the corpus's cap plus
+    <unk>/<eos>; else the synthetic task's symbols and its markers."""
+    task = config.task
+    if task.kind != "lm":
+        return 4 * task.n_symbols + 4
+    fixed = task.fixed_vocab_size
+    return task.vocab_cap + 2 if fixed is None else fixed
 
 
 def count_params(config: TrialConfig, vocab: int) -> int:

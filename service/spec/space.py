@@ -73,6 +73,10 @@ INTERACTING: tuple[tuple[str, ...], ...] = (
         "task.data_dir",
         "task.train_split",
         "task.valid_split",
+        "task.format",
+        "task.tokenizer",
+        "task.vocab_size",
+        "task.token_dtype",
         "task.n_pairs",
         "task.n_symbols",
         "task.seq_len",
@@ -221,11 +225,18 @@ GROWING: tuple[str, ...] = (
     "model.d_ff",
     "task.seq_len",
     "task.vocab_cap",
+    "task.vocab_size",
     "task.n_symbols",
     "task.n_valid",
 )
 # Fields whose choices change the shape of the estimate: every combination is a worst point.
-CHOOSING: tuple[str, ...] = ("task.kind", "model.mlp", "model.block")
+CHOOSING: tuple[str, ...] = (
+    "task.kind",
+    "task.format",
+    "task.tokenizer",
+    "model.mlp",
+    "model.block",
+)
 
 
 def _number(v: Scalar) -> float | None:
@@ -260,6 +271,8 @@ def unchecked_config(data: dict[str, Any]) -> TrialConfig:
         model[key] = max(1, int(float(model[key])))
     for key in ("seq_len", "vocab_cap", "n_symbols", "n_valid"):
         task[key] = int(float(task[key]))
+    if task.get("vocab_size") is not None:
+        task["vocab_size"] = int(float(task["vocab_size"]))
     return TrialConfig.model_construct(
         **{
             **top,
@@ -310,10 +323,11 @@ def _members(spec: StudySpec, config: TrialConfig) -> int:
 
 def _part_field(part: str, config: TrialConfig) -> str:
     lm = config.task.kind == "lm"
+    vocab = "task.vocab_cap" if config.task.fixed_vocab_size is None else "task.vocab_size"
     return {
         "parameters": "model",
         "activations": "batch_size",
-        "logits": "task.vocab_cap" if lm else "task.n_symbols",
+        "logits": vocab if lm else "task.n_symbols",
         "probe": "probe_batch_size",
         "validation": "batch_size" if lm else "task.n_valid",
     }[part]
