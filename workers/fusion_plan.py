@@ -204,7 +204,7 @@ AUTO_FUSE_MAX_FLOPS = 0.25e9
 """Below this many training FLOPs per step fusion pays on a CPU. A CPU study's workers get one
 core and one torch thread each and already fill the cores, so fusion only saves per-operation
 overhead: 4 fused members trained 1.11-1.20x the trials/s of one plain trial at 0.035-0.21
-GFLOP/step, 0.92x at 0.34 and 0.80-0.81x at 0.45-0.67 (`python -m bench.fuse_threshold`,
+GFLOP/step, 0.92x at 0.34 and 0.80-0.81x at 0.45-0.67 (`python -m bench.archive.fuse_threshold`,
 single thread, 2026-11-25; bench/README.md). Through the service the small grids gain more
 (1.5-1.7x for the entropy-collapse grid at 0.035 GFLOP), as per-trial costs are shared too."""
 AUTO_FUSE_CPU = 4

@@ -134,7 +134,7 @@ Param = Annotated[
 
 
 # Evaluations in a row a constraint that can still be undone must be violated before the
-# trial is stopped. bench/infeasible_patience.py (2026-11-25, 48 random quickstart-space trials
+# trial is stopped. bench/archive/infeasible_patience.py (2026-11-25, 48 random quickstart-space trials
 # trained to the end, 8 evaluations each, 35 ending feasible): patience 1-2 would have stopped
 # 2 trials that ended feasible, 3 one, 4 none while still stopping all 13 that ended
 # infeasible (12 % of the steps saved; 5: 9 %, 8: none). 4 is the smallest with no false stop
@@ -242,7 +242,7 @@ class StudySpec(_Strict):
         estimate; 1 where the fused model refuses the config), under every sampler. Samplers
         that learn from finished trials propose for the trials in flight (TPE's constant
         liar, GP's batch acquisition; CMA-ES and NSGA-II sample whole generations), and
-        bench/fuse_sampler.py measured TPE and GP at 1, 4 and 8 slots: no loss in the best
+        bench/archive/fuse_sampler.py measured TPE and GP at 1, 4 and 8 slots: no loss in the best
         feasible value after the same trials, and a better one at equal wall time (bench/
         README.md, "Fusion under learning samplers"). Each fusion key's workers then get
         what its own config gains (`service.runner.configs.slot_key`): a 12-layer grid point
