@@ -1,6 +1,6 @@
 """What the instability signals of METRICS.md section 9 add to a trial, measured directly.
 
-`bench.engine_m1` times whole trials against a reference commit; on a busy machine its
+`bench/archive/engine_m1.py` timed whole trials against a reference commit; on a busy machine its
 rounds vary by more than the few per cent it is asked to resolve. This times, in one
 single-threaded process and interleaved, the pieces themselves on engine_m1's trial config:
 one training step, the whole evaluation probe (`probe_metrics`), and the part of it the
@@ -20,11 +20,26 @@ from collections.abc import Callable
 import torch
 
 from bench._common import machine_line, say, table
-from bench.engine_m1 import config
 from workers import metrics as M
 from workers.engine import PlainRunner, new_member
 from workers.evaluation import probe_metrics
 from workers.trial import TrialConfig
+
+
+def config(steps: int, eval_every: int = 50) -> dict[str, object]:
+    """The trial the archived bench/archive/engine_m1.py timed (a small locater study)."""
+    return {
+        "task": {"kind": "associative_recall", "seq_len": 24, "n_symbols": 16, "n_pairs": 6},
+        "model": {"n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64},
+        "regularizer": {"kind": "locater", "lambda": 0.01},
+        "optim": {"lr": 0.003, "warmup_steps": 10},
+        "batch_size": 32,
+        "steps": steps,
+        "eval_every": eval_every,
+        "eval_batches": 2,
+        "device": "cpu",
+        "dtype": "float32",
+    }
 
 
 def best(fn: Callable[[], object], reps: int) -> float:

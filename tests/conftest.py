@@ -43,18 +43,33 @@ _RAY_MODULES = {
     "test_gpu_check.py",
     "test_inbox_backpressure.py",
     "test_slot_worker.py",
+    "test_cli.py",  # `qkscope serve` subprocesses start Ray heads of their own
+    "test_serve_guard.py",
 }
+_RAY_FIXTURES = {"ray_head", "shared_ray_head", "own_ray_head", "local_ray", "cluster"}
 
 
+def uses_ray(item: pytest.Item) -> bool:
+    return (
+        item.get_closest_marker("cluster") is not None
+        or bool(_RAY_FIXTURES & set(getattr(item, "fixturenames", ())))
+        or item.path.name in _RAY_MODULES
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Rerun a Ray test once (above), and group the tests for pytest-xdist
+    (`--dist loadgroup`, pyproject.toml): every test that touches Ray in one group, run by
+    one worker in turn on the session's one shared head while the other worker runs the rest
+    module by module (each module on one worker, so its module-scoped fixtures are built
+    once). On two cores the Ray tests' waits for jobs and processes are filled by unit tests."""
     for item in items:
-        uses_ray = (
-            item.get_closest_marker("cluster") is not None
-            or "ray_head" in getattr(item, "fixturenames", ())
-            or item.path.name in _RAY_MODULES
-        )
-        if uses_ray:
+        if uses_ray(item):
             item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=5))
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(ROOT).as_posix()))
 
 
 @pytest.hookimpl(trylast=True)

@@ -4,6 +4,7 @@ settings (`TrialConfig` in workers/config.py holds one of each); torch-free, lik
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import Literal, Self
 
 import pydantic
@@ -12,17 +13,28 @@ from pydantic_core import InitErrorDetails
 
 __all__ = [
     "BLOCK_PRESETS",
+    "BYTE_VOCAB",
     "CAUSAL_ONLY_TASKS",
     "BlockPreset",
     "CheckpointConfig",
+    "DataFormat",
+    "MAX_VOCAB_SIZE",
     "ModelConfig",
     "OptimConfig",
     "RegularizerConfig",
     "RegularizerKind",
     "TaskConfig",
+    "Tokenizer",
 ]
 
 RegularizerKind = Literal["none", "spectral_variance", "locater"]
+DataFormat = Literal["text", "bin", "dataset"]
+Tokenizer = Literal["word", "char", "bytes", "bpe", "file"]
+BYTE_VOCAB = 256
+"""Ids of the bytes tokenizer (one per byte value), and the base alphabet of the byte BPE."""
+MAX_VOCAB_SIZE = 4_000_000
+"""The largest `task.vocab_size` a config states (the deployment's parameter and memory
+limits bound it further at POST)."""
 
 # Tasks whose targets are their own inputs at later positions (workers/tasks.py): lm predicts
 # y[t] = x[t + 1] at every position; sort and copy predict each answer symbol b_i from the
@@ -53,7 +65,10 @@ class TaskConfig(pydantic.BaseModel):
     # lm
     data_dir: str | None = Field(
         default=None,
-        description="Directory with <train_split>.txt and <valid_split>.txt (lm only).",
+        description=(
+            "lm only: the directory of the splits (<train_split>.txt and <valid_split>.txt for "
+            "format: text; .bin for bin; a dataset for dataset), relative to QKSCOPE_DATA_DIR."
+        ),
     )
     data_root: str | None = Field(
         default=None,
@@ -65,12 +80,54 @@ class TaskConfig(pydantic.BaseModel):
     )
     train_split: str = Field(default="train", description="File stem of the training split.")
     valid_split: str = Field(default="valid", description="File stem of the validation split.")
-    tokenizer: Literal["word", "char"] = "word"
+    format: DataFormat = Field(
+        default="text",
+        description=(
+            "lm only: how the splits are stored in data_dir. text: <split>.txt (UTF-8); "
+            "bin: <split>.bin, token ids as a flat array of token_dtype (nanoGPT's "
+            "train.bin / val.bin), already tokenized; dataset: a local Parquet, JSONL or "
+            "save_to_disk dataset whose text_column holds the text (docs/your-data.md)."
+        ),
+    )
+    tokenizer: Tokenizer = Field(
+        default="word",
+        description=(
+            "lm on text or a dataset: word (whitespace words, <eos> per line) or char, the "
+            "vocab_cap most frequent from the training split; bytes (UTF-8 bytes, 256 ids); "
+            "bpe (a byte-level BPE of vocab_size tokens trained on the training split, "
+            "cached); file (the Hugging Face tokenizers JSON tokenizer_file). Not for bin."
+        ),
+    )
     vocab_cap: int = Field(
         default=10000,
         ge=16,
         le=1_000_000,
-        description="Most frequent tokens kept; rest map to <unk>.",
+        description="Most frequent tokens kept; rest map to <unk> (word and char only).",
+    )
+    vocab_size: int | None = Field(
+        default=None,
+        ge=2,
+        le=MAX_VOCAB_SIZE,
+        description=(
+            "The model's vocabulary: every token id is below it. Required for bpe (the size "
+            "the BPE is trained to), file (at least the tokenizer's size) and bin (above "
+            "every id in the files); bytes: 256 unless given; word and char count theirs "
+            "(vocab_cap)."
+        ),
+    )
+    tokenizer_file: str = Field(
+        default="tokenizer.json",
+        max_length=1000,
+        description="tokenizer: file only: the tokenizers JSON, relative to data_dir.",
+    )
+    token_dtype: Literal["uint16", "uint32"] = Field(
+        default="uint16", description="format: bin only: the dtype of the ids in the files."
+    )
+    text_column: str = Field(
+        default="text",
+        min_length=1,
+        max_length=200,
+        description="format: dataset only: the column that holds the text.",
     )
     max_train_tokens: int | None = Field(
         default=None, ge=1000, description="Optional truncation of the training split (fast tests)."
@@ -99,6 +156,7 @@ class TaskConfig(pydantic.BaseModel):
                 stem: str = getattr(self, name)
                 if not stem or "/" in stem or "\\" in stem or stem in (".", ".."):
                     raise ValueError(f"{name} must be a plain file stem, got {stem!r}")
+            self._check_data_form()
         elif self.kind == "associative_recall":
             if self.n_pairs > self.n_symbols:
                 raise ValueError(
@@ -115,6 +173,77 @@ class TaskConfig(pydantic.BaseModel):
             if (self.seq_len - 1) // 2 < 1:
                 raise ValueError(f"seq_len ({self.seq_len}) must be >= 3 for {self.kind}")
         return self
+
+    def _check_data_form(self) -> None:
+        """The lm data form's own fields (docs/your-data.md), each refusal located at the
+        field to change (a 422 at base.task.<field> in a study)."""
+        name, v = type(self).__name__, self.vocab_size
+        if self.format == "bin" and self.tokenizer != "word":
+            raise _refuse(
+                name,
+                ("tokenizer",),
+                self.tokenizer,
+                "format: bin holds token ids already: leave tokenizer out (it is not used)",
+            )
+        fixed = self.format == "bin" or self.tokenizer in ("bpe", "file")
+        if fixed and v is None:
+            what = "format: bin" if self.format == "bin" else f"tokenizer: {self.tokenizer}"
+            raise _refuse(
+                name,
+                ("vocab_size",),
+                v,
+                f"{what} needs vocab_size, the model's vocabulary (every token id is below it)",
+            )
+        if self.format != "bin" and self.tokenizer in ("word", "char") and v is not None:
+            raise _refuse(
+                name,
+                ("vocab_size",),
+                v,
+                f"tokenizer: {self.tokenizer} counts its vocabulary from the training split "
+                "(vocab_cap most frequent tokens and <unk>); leave vocab_size out, or use "
+                "tokenizer: bpe, bytes or file",
+            )
+        text_bytes = self.format != "bin" and self.tokenizer in ("bpe", "bytes")
+        if text_bytes and v is not None and v < BYTE_VOCAB:
+            raise _refuse(
+                name,
+                ("vocab_size",),
+                v,
+                f"tokenizer: {self.tokenizer} needs vocab_size >= {BYTE_VOCAB} "
+                "(the 256 byte values are its base alphabet)",
+            )
+        if self.format == "bin" and self.token_dtype == "uint16" and v is not None and v > 2**16:
+            raise _refuse(
+                name,
+                ("token_dtype",),
+                self.token_dtype,
+                f"uint16 holds ids below 65536, and vocab_size is {v}: use token_dtype: uint32",
+            )
+        if self.format != "bin" and self.tokenizer == "file":
+            path = PurePosixPath(self.tokenizer_file)
+            f = self.tokenizer_file
+            if not f or path.is_absolute() or f.startswith("~") or ".." in path.parts:
+                raise _refuse(
+                    name,
+                    ("tokenizer_file",),
+                    f,
+                    "must be a relative path inside data_dir (no leading '/' or '~', no '..')",
+                )
+            if "\\" in f or "\x00" in f:
+                raise _refuse(name, ("tokenizer_file",), f, "must be a plain relative path")
+
+    @property
+    def fixed_vocab_size(self) -> int | None:
+        """The model's vocabulary when the config fixes it (lm with format bin or tokenizer
+        bytes, bpe or file: `vocab_size`, bytes 256 unless given), else None: word and char
+        count it from the training split, the synthetic tasks from their symbols."""
+        if self.kind != "lm":
+            return None
+        if self.format == "bin" or self.tokenizer in ("bpe", "file"):
+            return self.vocab_size
+        if self.tokenizer == "bytes":
+            return BYTE_VOCAB if self.vocab_size is None else self.vocab_size
+        return None
 
 
 def _refuse(cls_name: str, loc: tuple[str, ...], value: object, msg: str) -> ValidationError:

@@ -214,7 +214,7 @@ AUTO_FUSE_MAX_FLOPS = 0.25e9
 """Below this many training FLOPs per step fusion pays on a CPU. A CPU study's workers get one
 core and one torch thread each and already fill the cores, so fusion only saves per-operation
 overhead: 4 fused members trained 1.11-1.20x the trials/s of one plain trial at 0.035-0.21
-GFLOP/step, 0.92x at 0.34 and 0.80-0.81x at 0.45-0.67 (`python -m bench.fuse_threshold`,
+GFLOP/step, 0.92x at 0.34 and 0.80-0.81x at 0.45-0.67 (`python -m bench.archive.fuse_threshold`,
 single thread, 2026-11-25; bench/README.md). Through the service the small grids gain more
 (1.5-1.7x for the entropy-collapse grid at 0.035 GFLOP), as per-trial costs are shared too."""
 AUTO_FUSE_CPU = 4
@@ -222,11 +222,15 @@ AUTO_FUSE_GPU = 8
 
 
 def vocab_bound(config: TrialConfig) -> int:
-    """The task's vocabulary, or an upper bound of it, without building the task: the cap
-    for language modelling, 2 x symbols + 2 for the synthetic tasks (associative recall;
-    sort and copy use symbols + 2)."""
+    """The task's vocabulary, or an upper bound of it, without building the task: for
+    language modelling the size the config fixes (`TaskConfig.fixed_vocab_size`) or the cap
+    (word and char), 2 x symbols + 2 for the synthetic tasks (associative recall; sort and
+    copy use symbols + 2)."""
     t = config.task
-    return t.vocab_cap if t.kind == "lm" else 2 * t.n_symbols + 2
+    if t.kind != "lm":
+        return 2 * t.n_symbols + 2
+    fixed = t.fixed_vocab_size
+    return t.vocab_cap if fixed is None else fixed
 
 
 def step_flops(config: TrialConfig, vocab_size: int | None = None) -> float:

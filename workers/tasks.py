@@ -16,8 +16,11 @@ Two properties matter for the study service and are guaranteed by every task her
 
 Task kinds:
 
-* ``lm``: word- or character-level language modelling on ``<data_dir>/<split>.txt`` files
-  (e.g. WikiText-2). The vocabulary comes from the training split only.
+* ``lm``: language modelling on ``<data_dir>/<split>.txt`` files (e.g. WikiText-2), word or
+  character level with the vocabulary from the training split only; or on the forms of
+  docs/your-data.md (workers/data/): text tokenized by bytes, a byte-level BPE trained on the
+  training split or the user's ``tokenizer.json``; nanoGPT's ``.bin`` token files; a local
+  Parquet, JSONL or ``save_to_disk`` dataset. Their vocabulary is ``task.vocab_size``.
 * ``associative_recall``: key-value pairs, then a query key; predict its value.
 * ``sort``: a random sequence, a separator, then the sorted sequence (Dong et al.).
 * ``copy``: a random sequence, a separator, then the same sequence.

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from service.spec.checks import (
     DATA_DIR_RULE,
+    FILE_RULE,
+    MAX_DATA_CHECKS,
     MAX_NESTING,
     check_data_dirs,
+    check_data_files,
     check_limits,
     parse_spec,
 )
@@ -49,8 +52,10 @@ from service.spec.model import (
 
 __all__ = [
     "DATA_DIR_RULE",
+    "FILE_RULE",
     "HISTORY_FREE_SAMPLERS",
     "INFEASIBLE_PATIENCE",
+    "MAX_DATA_CHECKS",
     "MAX_FUSE",
     "MAX_NESTING",
     "SUMMARY_METRICS",
@@ -71,6 +76,7 @@ __all__ = [
     "SummaryMetric",
     "apply_params",
     "check_data_dirs",
+    "check_data_files",
     "check_limits",
     "count_params",
     "parse_spec",

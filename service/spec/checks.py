@@ -11,13 +11,31 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from service.spec.model import SpecError, StudySpec, count_params, extremes, vocab_size
+from service.spec.model import (
+    SpecError,
+    StudySpec,
+    apply_params,
+    count_params,
+    extremes,
+    vocab_size,
+)
 from service.spec.space import check_memory, check_search_space, worst_points
 
 if TYPE_CHECKING:
     from service.spec.limits import Limits
+    from workers.config import TaskConfig, TrialConfig
+    from workers.data.layout import DataProblem
 
-__all__ = ["DATA_DIR_RULE", "MAX_NESTING", "check_data_dirs", "check_limits", "parse_spec"]
+__all__ = [
+    "DATA_DIR_RULE",
+    "FILE_RULE",
+    "MAX_DATA_CHECKS",
+    "MAX_NESTING",
+    "check_data_dirs",
+    "check_data_files",
+    "check_limits",
+    "parse_spec",
+]
 
 
 def check_limits(
@@ -90,8 +108,9 @@ def _data_dir_escapes(value: str, root: str) -> bool:
 def check_data_dirs(spec: StudySpec, root: str) -> list[SpecError]:
     """`base.task.data_dir` and every value the search space gives `task.data_dir` stay
     inside `root` (QKSCOPE_DATA_DIR), where the runner resolves them (service/runner/configs.py);
-    `task.data_root` is the service's to set (the worker checks the data against it again
-    when a trial opens it), never the definition's."""
+    then, with a root, the data forms of docs/your-data.md are checked there
+    (`check_data_files`). `task.data_root` is the service's to set (the worker checks the
+    data against it again when a trial opens it), never the definition's."""
     errors: list[SpecError] = []
     if spec.base.task.data_root is not None:
         errors.append(SpecError("base.task.data_root", DATA_ROOT_RULE))
@@ -106,7 +125,92 @@ def check_data_dirs(spec: StudySpec, root: str) -> list[SpecError]:
             if isinstance(v, str) and _data_dir_escapes(v, root):
                 errors.append(SpecError("search_space.task.data_dir", DATA_DIR_RULE))
                 break
+    if errors or not root:
+        return errors
+    return check_data_files(spec, root)
+
+
+MAX_DATA_CHECKS = 16
+"""Distinct data settings (base and searched values) whose files one POST checks; a study
+that searches more has the rest checked by the workers (a trial fails, not the study)."""
+
+FILE_RULE = "must stay inside the data directory (QKSCOPE_DATA_DIR): no symlink out of it"
+
+
+def check_data_files(spec: StudySpec, root: str) -> list[SpecError]:
+    """The cheap checks of workers/data/layout.py (files there and not empty, a `.bin`
+    file's size and its first `POST_SCAN_TOKENS` ids below `vocab_size`, a tokenizer file's
+    ids, a dataset's text column) on the base task and on each value the search space gives
+    a task field, for the forms `needs_data_check` covers, under `root`. Each error names
+    the field: `base.task.<field>`, or the searched `search_space.task.<field>`. Paths that
+    lead out of `root` through a symlink get `FILE_RULE`, whatever is outside."""
+    from workers.data.layout import check_data, needs_data_check
+
+    points: list[tuple[str | None, TrialConfig]] = [(None, spec.base)]
+    for path, param in spec.search_space.items():
+        if path.startswith("task."):
+            for v in extremes(param):
+                try:
+                    points.append((path, apply_params(spec.base, {path: v})))
+                except SpecError:
+                    continue  # refused by the spec's own checks already
+    base = Path(root).resolve()
+    errors: list[SpecError] = []
+    seen: set[str] = set()
+    for searched, config in points:
+        task = config.task
+        if not needs_data_check(task) or task.data_dir is None:
+            continue
+        key = task.model_dump_json()
+        if key in seen or _data_dir_escapes(task.data_dir, root):
+            continue
+        seen.add(key)
+        if len(seen) > MAX_DATA_CHECKS:
+            break
+        problems = [
+            *_escaping_files(task, base),
+            *check_data(task, base / task.data_dir, task.data_dir),
+        ]
+        for p in problems[:1]:  # what follows from the first problem is noise
+            field = f"base.task.{p.field}" if searched is None else f"search_space.{searched}"
+            where = "" if searched is None else f"task.{p.field}: "
+            errors.append(SpecError(field, where + p.message))
+            if searched is None:
+                return errors  # the searched values share the base's problem
     return errors
+
+
+def _escaping_files(task: TaskConfig, base: Path) -> list[DataProblem]:
+    """The first of a task's data files that resolves outside `base` (a symlink out of the
+    data root), as a problem that tells nothing about what is outside."""
+    from workers.data.layout import DataProblem, bin_path, dataset_split, text_path
+
+    assert task.data_dir is not None
+    d = base / task.data_dir
+    files: list[tuple[str, Path]] = []
+    if task.format == "dataset":  # read to find the splits: checked before it is read
+        listing = d / "dataset_dict.json"
+        target = listing.resolve() if listing.is_symlink() else listing
+        if base not in target.parents:
+            return [DataProblem("data_dir", FILE_RULE)]
+    for field, split in (("train_split", task.train_split), ("valid_split", task.valid_split)):
+        if task.format == "bin":
+            files.append((field, bin_path(d, split)))
+        elif task.format == "text":
+            files.append((field, text_path(d, split)))
+        else:
+            where = dataset_split(d, split)
+            files += [(field, p) for p in (where.paths if where is not None else ())]
+    if task.tokenizer == "file" and task.format != "bin":
+        files.append(("tokenizer_file", d / task.tokenizer_file))
+    for field, path in files:
+        try:
+            target = path.resolve()
+        except (OSError, RuntimeError):
+            return [DataProblem(field, FILE_RULE)]
+        if base not in target.parents:
+            return [DataProblem(field, FILE_RULE)]
+    return []
 
 
 MAX_NESTING = 128

@@ -156,7 +156,7 @@ Param = Annotated[
 
 
 # Evaluations in a row a constraint that can still be undone must be violated before the
-# trial is stopped. bench/infeasible_patience.py (2026-11-25, 48 random quickstart-space trials
+# trial is stopped. bench/archive/infeasible_patience.py (2026-11-25, 48 random quickstart-space trials
 # trained to the end, 8 evaluations each, 35 ending feasible): patience 1-2 would have stopped
 # 2 trials that ended feasible, 3 one, 4 none while still stopping all 13 that ended
 # infeasible (12 % of the steps saved; 5: 9 %, 8: none). 4 is the smallest with no false stop
@@ -297,7 +297,7 @@ class StudySpec(_Strict):
         estimate; 1 where the fused model refuses the config), under every sampler. Samplers
         that learn from finished trials propose for the trials in flight (TPE's constant
         liar, GP's batch acquisition; CMA-ES and NSGA-II sample whole generations), and
-        bench/fuse_sampler.py measured TPE and GP at 1, 4 and 8 slots: no loss in the best
+        bench/archive/fuse_sampler.py measured TPE and GP at 1, 4 and 8 slots: no loss in the best
         feasible value after the same trials, and a better one at equal wall time (bench/
         README.md, "Fusion under learning samplers"). Each fusion key's workers then get
         what its own config gains (`service.runner.configs.slot_key`): a 12-layer grid point
@@ -418,9 +418,14 @@ def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
 
 
 def vocab_size(config: TrialConfig) -> int:
-    """Tokens of the model's vocabulary: the corpus's cap plus <unk>/<eos> for lm, else the
-    synthetic task's symbols and its markers."""
-    return config.task.vocab_cap + 2 if config.task.kind == "lm" else 4 * config.task.n_symbols + 4
+    """Tokens of the model's vocabulary: for lm the size the config fixes (`task.vocab_size`
+    of bin, bpe and file; 256 for bytes) or, for word and char, the corpus's cap plus
+    <unk>/<eos>; else the synthetic task's symbols and its markers."""
+    task = config.task
+    if task.kind != "lm":
+        return 4 * task.n_symbols + 4
+    fixed = task.fixed_vocab_size
+    return task.vocab_cap + 2 if fixed is None else fixed
 
 
 def count_params(config: TrialConfig, vocab: int) -> int:

@@ -74,6 +74,10 @@ INTERACTING: tuple[tuple[str, ...], ...] = (
         "task.data_dir",
         "task.train_split",
         "task.valid_split",
+        "task.format",
+        "task.tokenizer",
+        "task.vocab_size",
+        "task.token_dtype",
         "task.n_pairs",
         "task.n_symbols",
         "task.seq_len",
@@ -222,15 +226,24 @@ GROWING: tuple[str, ...] = (
     "model.d_ff",
     "task.seq_len",
     "task.vocab_cap",
+    "task.vocab_size",
     "task.n_symbols",
     "task.n_valid",
 )
 # Fields whose choices change the shape of the estimate: every combination is a worst point.
 # Each has a handful of valid values (a Literal or a bool; `dtype` sets bytes per number), so
-# once each field's values are validated and made distinct there are at most 4 x 2 x 6 x 4
-# combinations, whatever the choices say: the product is never built from the choices
-# themselves (1,000 copies of one choice in each field was 1e9 points, issue 42).
-CHOOSING: tuple[str, ...] = ("task.kind", "model.mlp", "model.block", "dtype")
+# once each field's values are validated and made distinct there are at most
+# 4 x 3 x 5 x 2 x 6 x 4 combinations, whatever the choices say: the product is never built
+# from the choices themselves (1,000 copies of one choice in each of three fields was 1e9
+# points, issue 42).
+CHOOSING: tuple[str, ...] = (
+    "task.kind",
+    "task.format",
+    "task.tokenizer",
+    "model.mlp",
+    "model.block",
+    "dtype",
+)
 
 
 @functools.cache
@@ -293,6 +306,8 @@ def unchecked_config(data: dict[str, Any]) -> TrialConfig:
         model[key] = max(1, int(float(model[key])))
     for key in ("seq_len", "vocab_cap", "n_symbols", "n_valid"):
         task[key] = int(float(task[key]))
+    if task.get("vocab_size") is not None:
+        task["vocab_size"] = int(float(task["vocab_size"]))
     return TrialConfig.model_construct(
         **{
             **top,
@@ -305,7 +320,7 @@ def unchecked_config(data: dict[str, Any]) -> TrialConfig:
 def worst_points(spec: StudySpec) -> list[tuple[dict[str, Scalar], TrialConfig]]:
     """The points of the search space that need the most memory (and parameters): every
     growing field at its largest value, for each combination of the choosing fields' distinct
-    valid values (at most 192); with the values set, as trial configs (`unchecked_config`)."""
+    valid values (at most 2,880); with the values set, as trial configs (`unchecked_config`)."""
     grid = spec.sampler.kind == "grid"
     values = {p: candidate_values(param, grid)[0] for p, param in spec.search_space.items()}
     largest: dict[str, Scalar] = {}
@@ -344,10 +359,11 @@ def _members(spec: StudySpec, config: TrialConfig) -> int:
 
 def _part_field(part: str, config: TrialConfig) -> str:
     lm = config.task.kind == "lm"
+    vocab = "task.vocab_cap" if config.task.fixed_vocab_size is None else "task.vocab_size"
     return {
         "parameters": "model",
         "activations": "batch_size",
-        "logits": "task.vocab_cap" if lm else "task.n_symbols",
+        "logits": vocab if lm else "task.n_symbols",
         "probe": "probe_batch_size",
         "validation": "batch_size" if lm else "task.n_valid",
     }[part]

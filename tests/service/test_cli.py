@@ -132,7 +132,7 @@ def test_kill_9_then_serve_reuses_the_head_and_stop_leaves_nothing(tmp_path: Pat
         stopped = qkscope("stop", env=env, cwd=tmp_path)
         assert stopped.returncode == 0, stopped.stderr
         assert "stopped qkscope serve" in stopped.stdout
-        second.wait(timeout=90)
+        assert second.wait(timeout=90) == 0  # `stop` is a SIGTERM: a clean exit
         assert not ray_left(ray_port)
         again = qkscope("stop", env=env, cwd=tmp_path)
         assert "nothing of qkscope's is running" in again.stdout

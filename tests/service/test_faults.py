@@ -101,6 +101,7 @@ def _refuse_metric_rows(db_url: str) -> None:
     engine.dispose()
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # PostgreSQL: the store contract
 def test_a_failed_runner_ends_its_open_trials(
     app_client: TestClient, db_url: str, store: Store
 ) -> None:
@@ -257,6 +258,7 @@ def test_a_submission_still_in_flight_is_not_judged_lost(
     assert after is not None and after.status == StudyStatus.FAILED
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # PostgreSQL: the store contract
 def test_a_submission_whose_answer_was_lost_is_not_submitted_again(
     db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
 ) -> None:
@@ -295,6 +297,7 @@ def test_a_submission_whose_answer_was_lost_is_not_submitted_again(
 # ---- item 9: a runner killed between Optuna's ask and our row ------------------------------
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # PostgreSQL: the store contract
 def test_a_trial_asked_by_a_dead_runner_before_its_row_is_adopted_and_run(
     db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
 ) -> None:
@@ -473,6 +476,7 @@ def test_a_worker_that_fails_ends_only_after_the_inbox_has_its_last_messages(
 # ---- item 3: a point of the search space that fails at run time -------------------------
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # PostgreSQL: the store contract
 def test_a_search_space_point_that_fails_at_run_time_fails_one_trial_not_the_study(
     db_url: str, store: Store, ray_head: LocalRayHead, tmp_path: Path
 ) -> None:

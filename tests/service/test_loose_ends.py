@@ -177,3 +177,35 @@ def test_without_a_data_root_nothing_changes(tmp_path: Path) -> None:
     config = trial_config(spec, Settings(home=tmp_path, data_dir=""), 1, {}, 0)
     assert config.task.data_root is None
     assert build_task(config.task, config.seed).vocab_size > 2
+
+
+def test_every_data_form_is_checked_against_the_root(tmp_path: Path) -> None:
+    """The data forms of docs/your-data.md too: a `.bin` split symlinked out of the root is
+    refused before it is mapped; inside the root the same files load."""
+    import numpy as np
+
+    from workers.config_sections import TaskConfig
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    corpus = root / "tokens"
+    corpus.mkdir(parents=True)
+    outside.mkdir()
+    ids = np.arange(4000, dtype=np.uint16) % 50
+    ids.tofile(corpus / "train.bin")
+    ids.tofile(outside / "valid.bin")
+    os.symlink(outside / "valid.bin", corpus / "valid.bin")
+    task = TaskConfig.model_validate(
+        {
+            "kind": "lm",
+            "format": "bin",
+            "data_dir": str(corpus),
+            "data_root": str(root),
+            "vocab_size": 64,
+            "seq_len": 16,
+        }
+    )
+    with pytest.raises(DataOutsideRoot):
+        build_task(task, 0)
+    (corpus / "valid.bin").unlink()
+    ids.tofile(corpus / "valid.bin")
+    assert build_task(task, 0).vocab_size == 64

@@ -119,40 +119,13 @@ def kill_node_and_replace(cluster: Cluster, node: Any) -> None:
     cluster.wait_for_nodes()
 
 
-def test_killed_worker_node_trial_is_retried_and_resumes(
-    cluster: Cluster, db_url: str, tmp_path: Path
-) -> None:
-    spec = fault_spec(n_trials=4, max_retries=2, steps=INTERRUPT_STEPS)
-    # QK init scales below the chaotic region (~0.2, bench/fused_chaos.py), as in the slot
-    # test below: the comparison with run_trial at the end is exact on one machine (the same
-    # kernels, one thread each), and no stray rounding on another CPU is amplified 1e4-fold.
-    spec["search_space"] = {"model.qk_init_std": {"type": "float", "low": 0.02, "high": 0.15}}
-    run = StudyThread(db_url, tmp_path, spec)
-    victim = run.wait_running(n=1, min_step=40)[0]
-    kill_node_and_replace(cluster, worker_node_of(cluster, victim))
-    run.join()
-
-    trials = check_finished_study(db_url, run.study_id)
-    by_number = {t.number: t for t in trials}
-    hit = by_number[victim.number]
-    assert hit.state == "COMPLETE", hit.error
-    assert hit.attempts >= 2, "the retry after the node loss is recorded"
-    assert hit.node != victim.node, "the retry ran on another node"
-    assert all(t.state == "COMPLETE" for t in trials)
-
-    # Resuming from the checkpoint gives exactly the uninterrupted result (same seed, CPU).
-    config = apply_params(StudySpec.model_validate(spec).base, hit.params)
-    torch.set_num_threads(1)
-    alone = run_trial(config)
-    assert hit.final_val_loss == pytest.approx(alone.final_val_loss, rel=1e-5)
-
-
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_killed_worker_node_slot_members_resume_elsewhere(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:
-    """`fuse: 2`: the members of the slot worker on the lost node resume in another worker on
-    another node, each from its own checkpoint, and end as the same trial run alone.
+    """The suite's node loss, with `fuse: 2`: the members of the slot worker on the lost node
+    resume in another worker on another node, each from its own checkpoint, and end as the
+    same trial run alone.
 
     Tolerance: the fused contract is about 1e-4 in float32 below the chaotic region (QK init
     scales here stay below it). A resumed member trains its last few hundred steps beside a
@@ -181,6 +154,7 @@ def test_killed_worker_node_slot_members_resume_elsewhere(
         assert t.final_val_loss == pytest.approx(alone.final_val_loss, rel=3e-4)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_trial_out_of_retries_fails_with_reason_and_study_goes_on(
     cluster: Cluster, db_url: str, tmp_path: Path
 ) -> None:

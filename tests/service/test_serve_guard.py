@@ -83,88 +83,6 @@ def serve_args(api: int, ray: int, dash: int) -> list[str]:
     return ["--port", str(api), "--ray-port", str(ray), "--dashboard-port", str(dash)]
 
 
-@pytest.mark.cluster
-def test_second_serve_refuses_and_leaves_the_first_working(tmp_path: Path) -> None:
-    api, ray, dash = free_port(), free_port(), free_port()
-    home = tmp_path / "home"
-    env = cli_env(home, f"http://127.0.0.1:{api}")
-    first = Serve(env, tmp_path, *serve_args(api, ray, dash), "--num-cpus", "1")
-    try:
-        first.wait_for("qkscope API on")
-        head_state = (home / "ray-head.json").read_text()
-        record = json.loads((home / "serve.json").read_text())
-        assert record["pid"] == first.proc.pid and record["owns_head"] is True
-        assert record["api_url"] == f"http://127.0.0.1:{api}"
-
-        api2 = free_port()
-        started = time.monotonic()
-        second = qkscope(
-            "serve", *serve_args(api2, free_port(), free_port()), env=env, cwd=tmp_path
-        )
-        assert second.returncode == 1
-        assert f"pid {first.proc.pid}" in second.stderr, second.stderr
-        assert f"http://127.0.0.1:{api}" in second.stderr, second.stderr
-        assert "Ray head" not in second.stderr  # it neither adopted nor started one
-        assert time.monotonic() - started < 30
-
-        # The first one is untouched: same head, same record, API healthy, jobs launch.
-        assert ray_left(ray) and (home / "ray-head.json").read_text() == head_state
-        assert json.loads((home / "serve.json").read_text())["pid"] == first.proc.pid
-        with Client(f"http://127.0.0.1:{api}") as qk:
-            study = qk.submit(tiny_study())
-            assert study.ray_job_id is not None and study.waiting_reason is None
-            qk.cancel(study.id)
-
-        stopped = qkscope("stop", env=env, cwd=tmp_path)
-        assert f"stopped qkscope serve (pid {first.proc.pid}" in stopped.stdout, stopped
-        assert first.proc.wait(timeout=90) == 0
-        assert not ray_left(ray)
-        assert not (home / "serve.json").exists()
-        # A serve that died leaves its record behind: it does not block the next one.
-        (home / "serve.json").write_text(json.dumps({"pid": 999_999_999, "api_url": "x"}))
-        again = qkscope("stop", env=env, cwd=tmp_path)
-        assert "nothing of qkscope's is running" in again.stdout, again
-    finally:
-        first.kill()
-        if ray_left(ray):
-            qkscope("stop", env=env, cwd=tmp_path)
-
-
-@pytest.mark.cluster
-def test_serve_restarts_its_ray_head_when_it_dies(tmp_path: Path) -> None:
-    api, ray, dash = free_port(), free_port(), free_port()
-    home = tmp_path / "home"
-    env = cli_env(home, f"http://127.0.0.1:{api}")
-    env["QKSCOPE_HEAD_CHECK_INTERVAL_S"] = "1"
-    env["QKSCOPE_RECONCILE_INTERVAL_S"] = "1"
-    serve = Serve(env, tmp_path, *serve_args(api, ray, dash), "--num-cpus", "1")
-    try:
-        serve.wait_for("qkscope API on")
-        old_head = json.loads((home / "ray-head.json").read_text())["pid"]
-        gcs = subprocess.run(
-            ["pgrep", "-f", f"gcs_server_port={ray}"], capture_output=True, text=True
-        ).stdout.split()
-        assert gcs
-        for pid in gcs:
-            os.kill(int(pid), signal.SIGKILL)
-        serve.wait_for(f"the local Ray head (pid {old_head}) died; restarting it", 30)
-        serve.wait_for("restarted the local Ray head", 120)
-        new_head = json.loads((home / "ray-head.json").read_text())
-        assert new_head["pid"] != old_head and new_head["serve_pid"] == serve.proc.pid
-        assert serve.proc.poll() is None
-        with Client(f"http://127.0.0.1:{api}") as qk:  # studies launch on the new head
-            study = qk.submit(tiny_study())
-            assert study.ray_job_id is not None and study.waiting_reason is None
-            qk.cancel(study.id)
-        serve.proc.send_signal(signal.SIGTERM)
-        assert serve.proc.wait(timeout=90) == 0
-        assert not ray_left(ray)
-    finally:
-        serve.kill()
-        if ray_left(ray):
-            qkscope("stop", env=env, cwd=tmp_path)
-
-
 class Squatter:
     """Another program on 127.0.0.1:port: it listens (so `ray start` cannot bind there) and
     closes every connection at once (a silent listener would hang the HTTP client that
@@ -201,40 +119,89 @@ class Squatter:
 
 
 @pytest.mark.cluster
-def test_serve_exits_loudly_when_its_ray_head_cannot_be_restarted(tmp_path: Path) -> None:
-    """The whole head is killed and another program takes its dashboard port, so every
+def test_serve_refuses_a_second_serve_restarts_a_dead_head_and_exits_when_it_cannot(
+    tmp_path: Path,
+) -> None:
+    """One `serve` through the three guards, in order: (1) a second `serve` in the same home
+    refuses before it touches anything and names the first, which keeps working; (2) its
+    head's GCS is killed: the watchdog restarts the head and studies launch on the new one;
+    (3) the whole head is killed and another program takes its dashboard port, so every
     restart on the same ports fails (`ray start` refuses an occupied dashboard port): after
-    three failed restarts `serve` says why on stderr, exits non-zero and leaves no Ray behind.
-    """
+    three failed restarts `serve` says why on stderr, exits non-zero and leaves no Ray, no
+    lock and no record behind; `stop` then finds nothing, even beside a stale record."""
     api, ray, dash = free_port(), free_port(), free_port()
     home = tmp_path / "home"
     env = cli_env(home, f"http://127.0.0.1:{api}")
-    env["QKSCOPE_HEAD_CHECK_INTERVAL_S"] = "2"
-    serve = Serve(env, tmp_path, *serve_args(api, ray, dash), "--num-cpus", "1")
+    env["QKSCOPE_HEAD_CHECK_INTERVAL_S"] = "1"
+    env["QKSCOPE_RECONCILE_INTERVAL_S"] = "1"
+    first = Serve(env, tmp_path, *serve_args(api, ray, dash), "--num-cpus", "1")
     squatter = None
     try:
-        serve.wait_for("qkscope API on")
-        head = json.loads((home / "ray-head.json").read_text())["pid"]
-        os.killpg(head, signal.SIGKILL)  # `ray start --block` leads the head's process group
+        first.wait_for("qkscope API on")
+        head_state = (home / "ray-head.json").read_text()
+        record = json.loads((home / "serve.json").read_text())
+        assert record["pid"] == first.proc.pid and record["owns_head"] is True
+        assert record["api_url"] == f"http://127.0.0.1:{api}"
+
+        # (1) A second serve refuses and leaves the first as it was.
+        started = time.monotonic()
+        second = qkscope(
+            "serve", *serve_args(free_port(), free_port(), free_port()), env=env, cwd=tmp_path
+        )
+        assert second.returncode == 1
+        assert f"pid {first.proc.pid}" in second.stderr, second.stderr
+        assert f"http://127.0.0.1:{api}" in second.stderr, second.stderr
+        assert "Ray head" not in second.stderr  # it neither adopted nor started one
+        assert time.monotonic() - started < 30
+        assert ray_left(ray) and (home / "ray-head.json").read_text() == head_state
+        assert json.loads((home / "serve.json").read_text())["pid"] == first.proc.pid
+        with Client(f"http://127.0.0.1:{api}") as qk:  # API healthy, jobs launch
+            study = qk.submit(tiny_study())
+            assert study.ray_job_id is not None and study.waiting_reason is None
+            qk.cancel(study.id)
+
+        # (2) The head's GCS dies: the watchdog restarts the head on the same ports.
+        old_head = json.loads(head_state)["pid"]
+        gcs = subprocess.run(
+            ["pgrep", "-f", f"gcs_server_port={ray}"], capture_output=True, text=True
+        ).stdout.split()
+        assert gcs
+        for pid in gcs:
+            os.kill(int(pid), signal.SIGKILL)
+        first.wait_for(f"the local Ray head (pid {old_head}) died; restarting it", 30)
+        first.wait_for("restarted the local Ray head", 120)
+        new_head = json.loads((home / "ray-head.json").read_text())
+        assert new_head["pid"] != old_head and new_head["serve_pid"] == first.proc.pid
+        assert first.proc.poll() is None
+        with Client(f"http://127.0.0.1:{api}") as qk:  # studies launch on the new head
+            study = qk.submit(tiny_study())
+            assert study.ray_job_id is not None and study.waiting_reason is None
+            qk.cancel(study.id)
+
+        # (3) The head dies and cannot come back: serve gives up loudly.
+        os.killpg(new_head["pid"], signal.SIGKILL)  # `ray start --block` leads the group
         squatter = Squatter(dash)
-        serve.wait_for(f"the local Ray head (pid {head}) died; restarting it", 30)
+        first.wait_for(f"the local Ray head (pid {new_head['pid']}) died; restarting it", 30)
         for n in (1, 2, 3):
-            serve.wait_for(f"restarting the local Ray head failed ({n})", 120)
-        assert serve.proc.wait(timeout=120) == 1
-        said = "".join(serve.lines)
+            first.wait_for(f"restarting the local Ray head failed ({n})", 120)
+        assert first.proc.wait(timeout=120) == 1
+        said = "".join(first.lines)
         assert "qkscope serve: the local Ray head died and 3 restarts failed" in said, said
         assert str(home / "logs" / "ray-head.log") in said
-        assert "restarted the local Ray head" not in said
         assert said.rstrip().splitlines()[-1].startswith("qkscope: the local Ray head died")
         assert "Traceback" not in said
         assert not ray_left(ray)
         assert not (home / "serve.json").exists()  # the lock and record are released
         stopped = qkscope("stop", env=env, cwd=tmp_path)
         assert "nothing of qkscope's is running" in stopped.stdout, stopped
+        # A serve that died leaves its record behind: it does not block the next one.
+        (home / "serve.json").write_text(json.dumps({"pid": 999_999_999, "api_url": "x"}))
+        again = qkscope("stop", env=env, cwd=tmp_path)
+        assert "nothing of qkscope's is running" in again.stdout, again
     finally:
         if squatter is not None:
             squatter.close()
-        serve.kill()
+        first.kill()
         if ray_left(ray):
             qkscope("stop", env=env, cwd=tmp_path)
 

@@ -135,7 +135,7 @@ def test_fuse_auto_resolves_per_study_and_never_refuses() -> None:
     assert small.fuse == "auto" and small.slots == 4  # the default; 0.18 GFLOP a step
     medium = StudySpec.model_validate({**rnd, "base": {"batch_size": 8}})
     assert medium.slots == 1  # 0.35 GFLOP: fusion costs more than it saves on a CPU core
-    # under every sampler: TPE (the default) and GP fuse as random does (bench/fuse_sampler.py)
+    # under every sampler: TPE (the default) and GP fuse as random does (bench/archive/fuse_sampler.py)
     for kind in ("tpe", "gp", "cmaes"):
         learner = {**BASE, "sampler": {"kind": kind}}
         assert StudySpec.model_validate({**learner, "base": {"batch_size": 4}}).slots == 4

@@ -198,7 +198,7 @@ def test_fuse_auto_counts_the_head_of_a_language_model() -> None:
 
 def test_fuse_auto_leaves_the_dong_grid_points_alone_that_ran_slower_fused() -> None:
     """1 layer, d64, MLP 256, 64 characters x 16: 0.45 GFLOP a step, where 4 fused members
-    trained 0.80x the trials/s of one plain trial (bench/fuse_threshold.py); d32 of the same
+    trained 0.80x the trials/s of one plain trial (bench/archive/fuse_threshold.py); d32 of the same
     shape (0.15 GFLOP) trained 1.16x and stays fused."""
     shape = {"n_layers": 1, "n_heads": 2, "d_ff": 256, "block": "attn_mlp_skip"}
     char = {"kind": "lm", "data_dir": "x", "tokenizer": "char", "vocab_cap": 256, "seq_len": 64}

@@ -16,7 +16,7 @@ median over seeds of:
   took for that seed (search quality per second);
 - the study's wall time, POST to COMPLETED.
 
-    .venv/bin/python -m bench.fuse_sampler [--seeds 5] [--trials 24] [--steps 300]
+    .venv/bin/python -m bench.archive.fuse_sampler [--seeds 5] [--trials 24] [--steps 300]
         [--samplers tpe,gp] [--fuse 1,4,8] [--quick]
 """
 

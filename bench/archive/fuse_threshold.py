@@ -7,7 +7,7 @@ in one single-threaded process, the trial engine over the plain runner (one tria
 the study definitions at several step sizes, and prints trials/s fused over plain next to
 the step's FLOPs (`workers.fusion_plan.step_flops`). `AUTO_FUSE_MAX_FLOPS` is read off it.
 
-    .venv/bin/python -m bench.fuse_threshold [--repeats 2]
+    .venv/bin/python -m bench.archive.fuse_threshold [--repeats 2]
 """
 
 from __future__ import annotations

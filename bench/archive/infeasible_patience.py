@@ -10,7 +10,7 @@ feasible (compute saved on a trial that would have counted); *saved* is the shar
 trials' steps the rule would not have trained. The default is the smallest patience with no
 false stop in the sample; the sample size says how much that proves.
 
-    .venv/bin/python -m bench.infeasible_patience [--trials 48] [--steps 400] [--quick]
+    .venv/bin/python -m bench.archive.infeasible_patience [--trials 48] [--steps 400] [--quick]
 """
 
 from __future__ import annotations

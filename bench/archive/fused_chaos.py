@@ -1,6 +1,6 @@
 """Fused vs alone vs a 1e-7 nudge of the initial weights: is a fused gap chaos or a bug?
 
-    .venv/bin/python -m bench.fused_chaos --qk 0.22 --steps 160 [--float64]
+    .venv/bin/python -m bench.archive.fused_chaos --qk 0.22 --steps 160 [--float64]
 
 A fused group of four quickstart trials (seeds 0-3, locater lambda 1e-3, 1e-2, 0.1, 1; the
 given qk_init_std) is trained by `run_trial_group`; each member is also run alone by

@@ -11,8 +11,8 @@ before), alternating so that both see the same machine:
 
 Figures: median and p90 milliseconds per transaction, and fenced / unfenced.
 
-    python -m bench.fence_cost            # ~1 minute
-    python -m bench.fence_cost --quick
+    python -m bench.archive.fence_cost            # ~1 minute
+    python -m bench.archive.fence_cost --quick
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Printed per tree: `/healthz` p50 / p99 / max and how many probes, POSTs and read
 answered; then the ratio of REF to today (above 1: today answers faster). SQLite, loopback
 only, free ports only.
 
-    .venv/bin/python -m bench.healthz [--ref b77e7fc] [--seconds 20] [--submit-s 2] [--quick]
+    .venv/bin/python -m bench.archive.healthz [--ref b77e7fc] [--seconds 20] [--submit-s 2] [--quick]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Forward + backward of M stacked GPTs on one batch each, same weights, interleaved repeats;
 prints ms per step and the ratio. `workers.fused_model` keeps the faster form (bmm).
 
-    python -m bench.fused_forms [--members 8] [--d-model 32] [--steps 20]
+    python -m bench.archive.fused_forms [--members 8] [--d-model 32] [--steps 20]
 """
 
 from __future__ import annotations

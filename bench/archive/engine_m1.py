@@ -5,7 +5,7 @@ runs the same trial with the current code and with the code of a reference commi
 in a temporary git worktree), alternating, each in a fresh single-threaded process, and
 prints the training steps/s of each and their ratio (goal: >= 0.97).
 
-    .venv/bin/python -m bench.engine_m1 [--ref d93dac7] [--rounds 5] [--steps 600]
+    .venv/bin/python -m bench.archive.engine_m1 [--ref d93dac7] [--rounds 5] [--steps 600]
         [--eval-every 50]
 
 `--eval-every 10` evaluates (and probes) five times as often as the default: the worst case
