@@ -150,13 +150,16 @@ def main() -> None:
                 time.sleep(2)
             live = len(ids)
             per = (peak[0] - base[0]) / max(live, 1)
+            per_rss = (peak[1] - base[1]) / max(live, 1)
             print(
                 f"head peak: PSS {peak[0] / 2**20:,.0f} MiB, RSS {peak[1] / 2**20:,.0f} MiB,"
                 f" {peak[2]} processes, with {live} live studies"
             )
             print(
-                f"per live study: {per / 2**20:,.0f} MiB PSS; {args.posts} live studies would"
-                f" need about {(base[0] + args.posts * per) / 2**30:,.1f} GiB"
+                f"per live study: {per / 2**20:,.0f} MiB PSS ({per_rss / 2**20:,.0f} MiB RSS);"
+                f" {args.posts} live studies would need about"
+                f" {(base[0] + args.posts * per) / 2**30:,.1f} GiB PSS"
+                f" ({(base[1] + args.posts * per_rss) / 2**30:,.1f} GiB RSS)"
             )
             for i in ids:
                 c.post(f"/v1/studies/{i}/cancel")
