@@ -38,6 +38,7 @@ __all__ = [
     "SERIES_KEYS",
     "bounded_summary",
     "bounded_summaries",
+    "decode_summary",
     "trials_with_bounded_summaries",
     "trim",
 ]
@@ -76,7 +77,8 @@ def trim(summary: dict[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
-def _decode(text: str | None) -> dict[str, Any] | None:
+def decode_summary(text: str | None) -> dict[str, Any] | None:
+    """A `bounded_summary` column's text as the summary a read route shows (`trim`)."""
     if text is None or text == "null":
         return None
     value = _loads(text)
@@ -91,7 +93,7 @@ def bounded_summaries(session: Session, trial_ids: Sequence[int]) -> dict[int, A
         chunk = ids[start : start + 500]
         q = select(Trial.id, bounded_summary(session)).where(Trial.id.in_(chunk))
         for tid, text in session.execute(q):
-            out[int(tid)] = _decode(text)
+            out[int(tid)] = decode_summary(text)
     return out
 
 
@@ -101,6 +103,6 @@ def trials_with_bounded_summaries(session: Session, query: Select[Any]) -> list[
     q = query.add_columns(bounded_summary(session)).options(defer(Trial.summary))
     out: list[Trial] = []
     for trial, text in session.execute(q):
-        set_committed_value(trial, "summary", _decode(text))
+        set_committed_value(trial, "summary", decode_summary(text))
         out.append(trial)
     return out
