@@ -86,6 +86,18 @@ class Settings(BaseSettings):
     max_param_bytes_per_study: int = Field(256 * 2**20, ge=2**20)
     # Characters of any one string of a definition (the description has its own 10,000).
     max_string_chars: int = Field(1024, ge=16)
+    # Live studies (PENDING or RUNNING) at once: each costs the Ray head memory while it runs
+    # (its runner, the job supervisor and the inbox, about 410 MB measured); a POST past the
+    # cap is a 429 with Retry-After (service/api/admission.py).
+    max_live_studies: int = Field(16, ge=1)
+    # The head memory live studies may take, and what one takes there (0: no memory bound);
+    # the live cap is then also head_memory_bytes // head_bytes_per_study.
+    head_memory_bytes: int = Field(0, ge=0)
+    head_bytes_per_study: int = Field(512 * 2**20, ge=2**20)
+    # How long a client may take to send one request, headers and body, from its first byte
+    # (the connection's start, for the first): slower ones get a 408 and are closed before any
+    # route runs (service/http_guard.py; `qkscope serve`).
+    read_timeout_s: float = Field(20.0, gt=0.0)
     # Messages the runner's inbox buffers before a worker's next message waits for room
     # (workers/inbox.py): a slow runner slows its workers, never loses or piles up messages.
     inbox_max_messages: int = Field(1000, ge=1)

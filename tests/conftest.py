@@ -23,6 +23,8 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 # test asks for one (tests/service/test_standby.py): on two cores a standby warming worker
 # processes beside every end-to-end study only slows the suite and adds no coverage.
 os.environ.setdefault("QKSCOPE_STANDBY", "0")
+# Test modules pile up PENDING studies (no Ray) in one app; the live cap's own tests set it.
+os.environ.setdefault("QKSCOPE_MAX_LIVE_STUDIES", "100000")
 
 PG_ADMIN_URL = os.environ.get("QKSCOPE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 SHARED = Path(__file__).resolve().parents[2] / "shared"

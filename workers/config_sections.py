@@ -70,6 +70,14 @@ class TaskConfig(pydantic.BaseModel):
             "format: text; .bin for bin; a dataset for dataset), relative to QKSCOPE_DATA_DIR."
         ),
     )
+    data_root: str | None = Field(
+        default=None,
+        description=(
+            "Set by the service, not by a study definition: the data directory "
+            "(QKSCOPE_DATA_DIR) that data_dir and its split files must resolve inside when a "
+            "trial opens them (a symlink made after the POST cannot lead out of it)."
+        ),
+    )
     train_split: str = Field(default="train", description="File stem of the training split.")
     valid_split: str = Field(default="valid", description="File stem of the validation split.")
     format: DataFormat = Field(

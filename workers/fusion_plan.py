@@ -21,6 +21,7 @@ __all__ = [
     "auto_fuse",
     "check_fusable",
     "estimated_params",
+    "float_bytes",
     "fusion_key",
     "group_by_key",
     "member_bytes",
@@ -139,7 +140,8 @@ LM_VALID_BATCHES = 64
 class MemoryEstimate:
     """What one member of a trial holds at its peak, in bytes, by part (each errs high).
 
-    `parameters`: weights, gradients and AdamW's two moments in float32; `activations`: what a
+    `parameters`: weights, gradients and AdamW's two moments (4 bytes a number, 8 in
+    float64: `float_bytes`, as every float part); `activations`: what a
     training step keeps for backward (per layer the residual stream, q/k/v, the MLP's hidden
     layer, the norms and the batch x heads x seq_len^2 attention scores and probabilities,
     which a CPU or unfused attention kernel materialises); `logits`:
@@ -173,11 +175,19 @@ class MemoryEstimate:
         return max(parts, key=lambda k: parts[k])
 
 
+def float_bytes(config: TrialConfig) -> int:
+    """Bytes of one number of the weights, the optimizer state and the activations: 8 in
+    float64, else 4 (float32; bfloat16 trains under autocast with float32 master weights and
+    optimizer state, so 4 errs high there). Token ids (the validation set) are not floats."""
+    return 8 if config.dtype == "float64" else 4
+
+
 def memory_estimate(config: TrialConfig, vocab_size: int | None = None) -> MemoryEstimate:
     """The peak memory of one member of `config`, by part (`vocab_bound` unless given)."""
     m, t, b = config.model, config.task, config.batch_size
     vocab = vocab_bound(config) if vocab_size is None else vocab_size
     d, f, h, layers, seq = m.d_model, m.d_ff, m.n_heads, m.n_layers, t.seq_len
+    w = float_bytes(config)
     per_layer = b * seq * (12 * d + 2 * f) + 2 * b * h * seq * seq  # scores and probabilities
     p = config.probe_batch_size
     if t.kind == "lm":
@@ -187,10 +197,10 @@ def memory_estimate(config: TrialConfig, vocab_size: int | None = None) -> Memor
         if t.kind == "associative_recall":
             validation += RECALL_BYTES_PER_SYMBOL * t.n_valid * t.n_symbols
     return MemoryEstimate(
-        parameters=16 * estimated_params(config, vocab),
-        activations=4 * layers * per_layer,
-        logits=4 * 3 * b * seq * vocab,
-        probe=4 * ((layers + 2) * p * h * seq * seq + p * seq * vocab),
+        parameters=4 * w * estimated_params(config, vocab),
+        activations=w * layers * per_layer,
+        logits=w * 3 * b * seq * vocab,
+        probe=w * ((layers + 2) * p * h * seq * seq + p * seq * vocab),
         validation=validation,
     )
 

@@ -25,8 +25,11 @@ _REPO = Path(__file__).resolve().parents[1]
 
 def config_hash(config: TrialConfig) -> str:
     """sha256 (first 16 hex digits) of the config as canonical JSON, without `checkpoint`
-    (where a run keeps its checkpoints says nothing about what it computes)."""
-    data = config.model_dump(mode="json", by_alias=True, exclude={"checkpoint"})
+    and `task.data_root` (where a run keeps its checkpoints, or the data directory it was
+    confined to, says nothing about what it computes)."""
+    data = config.model_dump(
+        mode="json", by_alias=True, exclude={"checkpoint": True, "task": {"data_root"}}
+    )
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

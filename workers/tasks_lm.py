@@ -20,7 +20,15 @@ from workers.config_sections import TaskConfig
 from workers.data.corpus import clear_token_cache, load_token_corpus, source_stats, split_texts
 from workers.tasks_base import check_batch_args
 
-__all__ = ["EOS_TOKEN", "MAX_VALID_BATCHES", "UNK_TOKEN", "LMTask", "clear_corpus_cache"]
+__all__ = [
+    "EOS_TOKEN",
+    "MAX_VALID_BATCHES",
+    "UNK_TOKEN",
+    "DataOutsideRoot",
+    "LMTask",
+    "check_data_root",
+    "clear_corpus_cache",
+]
 
 UNK_TOKEN = "<unk>"
 """Language-modelling token for anything outside the vocabulary; always id 0."""
@@ -99,6 +107,39 @@ def _read_split(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
+class DataOutsideRoot(ValueError):
+    """A trial's data resolves outside the data directory it was allowed."""
+
+
+def check_data_root(config: TaskConfig) -> None:
+    """With `task.data_root` (set by the service), `data_dir` and every file the task reads
+    (`source_stats`: the text splits, the `.bin` files, a dataset's files, a tokenizer file)
+    resolve inside it; raises `DataOutsideRoot` otherwise. Called before anything is read."""
+    if config.data_root is None or config.data_dir is None:
+        return
+    data_dir = Path(config.data_dir).expanduser().resolve()
+    files = [Path(p).resolve() for p, _, _ in source_stats(config, data_dir)]
+    _check_inside(config, config.data_root, (data_dir, *files))
+
+
+def _check_inside(config: TaskConfig, root: str, paths: tuple[Path, ...]) -> None:
+    """Every path (resolved: symlinks followed) inside `root` (resolved too). The service
+    checked `data_dir` at the POST, but a directory absent then can be a symlink out of the
+    root by the time a trial opens it: checked again here, where the files are read. The
+    error names the data_dir as the study gave it, never where it leads."""
+    base = Path(root).expanduser().resolve()
+    given = Path(str(config.data_dir))
+    if given.is_relative_to(root):  # the runner joined the study's path to the root
+        given = given.relative_to(root)
+    for path in paths:
+        if path != base and base not in path.parents:
+            raise DataOutsideRoot(
+                f"task.data_dir {str(given)!r} (or one of its split files) resolves "
+                "outside the data directory (QKSCOPE_DATA_DIR): refused; it must stay inside "
+                "it, symlinks included"
+            )
+
+
 def _load_corpus(config: TaskConfig) -> _Corpus:
     """Load, tokenize and encode the train/valid splits, memoized per process.
 
@@ -164,8 +205,10 @@ class LMTask:
         Word and char (on text or a dataset) hold both splits as int64 tensors and their
         vocabulary's tokens (`vocab`); the other forms hold them as unsigned numpy arrays
         (memory-mapped from `.bin` files and the token cache), `vocab` empty and the
-        `tokenizers.Tokenizer` of bpe and file in `tokenizer`.
+        `tokenizers.Tokenizer` of bpe and file in `tokenizer`. Data that resolves outside the
+        service's data root is refused first (`check_data_root`).
         """
+        check_data_root(config)
         self.seq_len: int = config.seq_len
         self.known_optimum: float | None = None
         self.tokenizer: Any = None

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, HTTPException, Path, Request, status
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, defer, sessionmaker
 
 from service.api.errors import ApiError
 from service.config import Settings
@@ -115,7 +115,12 @@ TrialId = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 
 def get_trial(session: SessionDep, trial_id: TrialId) -> Trial:
-    return _row_or_404(session, Trial, trial_id)
+    """The trial row without its summary (deferred: a long trial's summary is hundreds of
+    KiB; /v1/trials/{id} loads it bounded, service/read/summaries.py)."""
+    trial = session.get(Trial, trial_id, options=[defer(Trial.summary)])
+    if trial is None:
+        raise ApiError(404, "not_found", f"trial {trial_id} does not exist")
+    return trial
 
 
 # The trial of the route's `{trial_id}`, or a 404, as StudyDep for a study.

@@ -29,10 +29,16 @@ RETRY_AFTER_S = 5  # what a 503 asks a client to wait while the database is away
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, error: str, message: str, errors: list[FieldError] | None = None
+        self,
+        status: int,
+        error: str,
+        message: str,
+        errors: list[FieldError] | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.error, self.message, self.errors = status, error, message, errors or []
+        self.headers = headers  # e.g. Retry-After on a 429
 
 
 def field_errors(errors: Iterable[InvalidField]) -> list[FieldError]:
@@ -73,7 +79,8 @@ def _json(status: int, body: ErrorBody, headers: dict[str, str] | None = None) -
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _json(exc.status, ErrorBody(error=exc.error, message=exc.message, errors=exc.errors))
+        body = ErrorBody(error=exc.error, message=exc.message, errors=exc.errors)
+        return _json(exc.status, body, headers=exc.headers)
 
     @app.exception_handler(InvalidField)
     async def _invalid_field(_: Request, exc: InvalidField) -> JSONResponse:

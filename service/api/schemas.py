@@ -90,12 +90,23 @@ class TrialOut(BaseModel):
     )
     finished_at: UtcDatetime | None
     duration_s: float | None
-    summary: dict[str, Any] | None = None
+    summary: dict[str, Any] | None = Field(
+        None,
+        description="What the trial ended with (docs/metrics.md), on /v1/trials/{id} and /best;"
+        " without the per-evaluation lists `eval_steps` and `val_losses` (the `val_loss`"
+        " metric series: /v1/trials/{id}/metrics?name=val_loss) and with at most the last 100"
+        " `plateaus` (`plateaus_left_out` counts the others).",
+    )
 
     @classmethod
     def of(cls, row: Trial, with_summary: bool = False) -> TrialOut:
-        out = cls.model_validate(row, from_attributes=True)
-        return out if with_summary else out.model_copy(update={"summary": None})
+        """The trial as the API shows it; its summary only `with_summary` (then as the row
+        holds it: the read routes load it bounded, service/read/summaries.py). Without it
+        the row's summary is never read, so a row loaded with the column deferred stays so."""
+        data = {name: getattr(row, name) for name in cls.model_fields if name != "summary"}
+        if with_summary:
+            data["summary"] = row.summary
+        return cls.model_validate(data)
 
 
 class MetricOut(BaseModel):

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError
 from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
+from service.api.admission import admit
 from service.api.deps import (
     MAX_ID,
     LauncherDep,
@@ -31,7 +32,7 @@ from service.control.cancel import cancel_study
 from service.control.launch import launch_study
 from service.control.ray_cluster import JobLauncher
 from service.errors import InvalidField
-from service.read import queries
+from service.read import best, queries
 from service.resources import unmet
 from service.spec import StudySpec, check_data_dirs, check_limits, parse_spec
 from service.store import (
@@ -39,7 +40,6 @@ from service.store import (
     Store,
     Study,
     StudyStatus,
-    Trial,
     TrialState,
     session_scope,
 )
@@ -128,6 +128,7 @@ async def _read_spec(request: Request, max_bytes: int) -> StudySpec:
         413: error("the body is larger than QKSCOPE_MAX_BODY_BYTES"),
         415: error("a content type other than JSON or YAML"),
         422: error("an invalid study definition, every bad field named in errors[].field"),
+        429: error("as many studies are live as QKSCOPE_MAX_LIVE_STUDIES allows; see Retry-After"),
     },
 )
 async def submit_study(
@@ -195,7 +196,8 @@ def _store_and_launch(
                 "; ".join(f"{f}: {m}" for f, m in unmet_),
                 [FieldError(field=f, message=m) for f, m in unmet_],
             )
-    row, created = store.studies.create(spec, idempotency_key)
+    with admit(state.sessions, settings, idempotency_key):  # a 429 past the live cap
+        row, created = store.studies.create(spec, idempotency_key)
     if not created:
         return StudyOut.of(row), False
     if launcher is not None:
@@ -330,21 +332,8 @@ def summary(session: SessionDep, study: StudyDep) -> dict[str, Any]:
 
 @router.get("/studies/{study_id}/best", response_model=list[TrialOut], responses=not_found("study"))
 def best_trials(session: SessionDep, study: StudyDep, feasible_only: bool = True) -> list[TrialOut]:
-    """The best trial (one objective) or the Pareto front (several), among COMPLETE trials."""
-    directions = [o["direction"] for o in study.spec["objectives"]]
-    q = select(Trial).where(Trial.study_id == study.id, Trial.state == TrialState.COMPLETE)
-    if feasible_only:
-        q = q.where(Trial.feasible.is_not(False))
-    rows = [r for r in session.scalars(q).all() if r.values and None not in r.values]
-    sign = [1.0 if d == "minimize" else -1.0 for d in directions]
-    keys = {r.id: [s * float(v) for s, v in zip(sign, r.values or [], strict=True)] for r in rows}
-
-    def dominated(a: list[float]) -> bool:
-        return any(
-            all(x <= y for x, y in zip(keys[o.id], a, strict=True)) and keys[o.id] != a
-            for o in rows
-        )
-
-    front = [r for r in rows if not dominated(keys[r.id])]
-    front.sort(key=lambda r: keys[r.id])
-    return [TrialOut.of(r, with_summary=True) for r in front]
+    """The best trial (one objective) or the Pareto front (several), among COMPLETE trials;
+    each with its summary, bounded (service/read/best.py)."""
+    return [
+        TrialOut.of(r, with_summary=True) for r in best.best_trials(session, study, feasible_only)
+    ]

@@ -6,6 +6,7 @@ import re
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
+from sqlalchemy import select
 
 from service.api.deps import SessionDep, TrialDep
 from service.api.errors import ApiError
@@ -13,6 +14,8 @@ from service.api.openapi import not_found
 from service.api.paging import decode_cursor, encode_cursor
 from service.api.schemas import FieldError, MetricOut, TrialOut
 from service.read import queries
+from service.read.summaries import trials_with_bounded_summaries
+from service.store import Trial
 from workers.metric_names import SERIES_NAMES
 
 __all__ = ["MAX_METRIC_ROWS", "NEXT_CURSOR", "router"]
@@ -26,8 +29,11 @@ Bounded = Query(ge=0, le=MAX_INT)
 
 
 @router.get("/trials/{trial_id}", response_model=TrialOut, responses=not_found("trial"))
-def get_trial(trial: TrialDep) -> TrialOut:
-    return TrialOut.of(trial, with_summary=True)
+def get_trial(session: SessionDep, trial: TrialDep) -> TrialOut:
+    """The trial with its summary, bounded: the per-evaluation `val_loss` is a metric series
+    (`/v1/trials/{id}/metrics?name=val_loss`), not a list in the summary."""
+    (row,) = trials_with_bounded_summaries(session, select(Trial).where(Trial.id == trial.id))
+    return TrialOut.of(row, with_summary=True)
 
 
 MAX_METRIC_ROWS = 100_000  # rows one /metrics call returns at most

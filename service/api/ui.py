@@ -1,12 +1,14 @@
-"""/v1/ui/config: what the web UI needs to know about this deployment besides the data."""
+"""/v1/ui/config: what the web UI needs to know about this deployment besides the data;
+/v1/ui/session: the cookie that opens the UI's own files (service/ui/__init__.py)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response, status
 from pydantic import BaseModel, Field
 
-from service.api.deps import SettingsDep
+from service.api.deps import SettingsDep, token_digest
 from service.read.importance import MIN_TRIALS
+from service.ui import COOKIE, UI_PATH, ui_cookie
 
 __all__ = ["UiConfigOut", "router"]
 
@@ -34,3 +36,43 @@ def ui_config(settings: SettingsDep) -> UiConfigOut:
         auth=bool(settings.token_list()),
         importance_min_trials=MIN_TRIALS,
     )
+
+
+# The web UI's own plumbing, like its files: behind the token, left out of the OpenAPI document.
+@router.post(
+    "/ui/session",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+    include_in_schema=False,
+)
+def open_ui(request: Request) -> Response:
+    """For the bearer token this request carries (checked like every route's), the cookie
+    `qkscope_ui` that lets this browser load the UI's files (HttpOnly, SameSite=Strict,
+    Path=/ui, Secure over https); it opens no data route. Without tokens configured: 204 and
+    no cookie (the files need none)."""
+    response = Response(status_code=status.HTTP_204_NO_CONTENT)
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if request.app.state.token_digests and scheme.lower() == "bearer" and token:
+        response.set_cookie(
+            COOKIE,
+            ui_cookie(token_digest(token.strip())),
+            path=UI_PATH,
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+    return response
+
+
+@router.delete(
+    "/ui/session",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+    include_in_schema=False,
+)
+def close_ui() -> Response:
+    """Forget the UI cookie in this browser (the page's "forget token")."""
+    response = Response(status_code=status.HTTP_204_NO_CONTENT)
+    response.delete_cookie(COOKIE, path=UI_PATH, httponly=True, samesite="strict")
+    return response

@@ -136,13 +136,20 @@ def _serve_locked(
 
     from service.app import create_app
     from service.control.head_watch import HeadWatchdog
+    from service.http_guard import uvicorn_config
 
     if args.run and args.exit_when_done:
         settings.standby = 0  # one study, then exit: a standby would only take CPU from it
     head = None if settings.ray_address else _local_head(args, settings, lock)
     signal.signal(signal.SIGTERM, _terminate)  # docker stop, kill, `qkscope stop`
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning")
+        uvicorn_config(  # with a read timeout for slow clients (service/http_guard.py)
+            create_app(settings),
+            settings.read_timeout_s,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+        )
     )
     thread = threading.Thread(target=server.run, daemon=True)
     gave_up: list[str] = []

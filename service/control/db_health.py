@@ -43,15 +43,24 @@ class DatabaseHealth:
             else:
                 log.warning("the database is unreachable: %s", error)
         self.up = up
-        self.error = None if error is None else (str(error).strip().splitlines() or [""])[0][:200]
+        # Only the kind of error: /healthz needs no token, and a driver's message names the
+        # database's host, port, user or file (the log keeps the whole message).
+        self.error = None if error is None else _kind(error)
 
     def report(self) -> dict[str, str]:
-        """/healthz's body."""
+        """/healthz's body: up, down or unknown, and while down the kind of error (its class,
+        e.g. `OperationalError`), never the driver's message."""
         if self.up is None:
             return {"status": "ok", "database": "unknown"}
         if self.up:
             return {"status": "ok", "database": "up"}
         return {"status": "degraded", "database": "down", "database_error": self.error or ""}
+
+
+def _kind(error: BaseException) -> str:
+    """The error's class, or that of the driver error it wraps (SQLAlchemy's `orig`)."""
+    orig = getattr(error, "orig", None)
+    return type(orig if isinstance(orig, BaseException) else error).__name__
 
 
 async def watch_database(

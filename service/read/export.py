@@ -44,6 +44,7 @@ from service.read.export_formats import (
 )
 from service.read.plots import collapse_class
 from service.read.queries import MetricKey, metric_series
+from service.read.summaries import trials_with_bounded_summaries
 from service.store import NO_INDEX, SUMMARY_COLUMNS, Study, Trial, session_scope
 from workers.metric_names import SUMMARIES
 
@@ -192,7 +193,9 @@ def _trial_batches(
                     .order_by(Trial.number)
                     .limit(batch)
                 )
-                rows = [(t.number, _trial_row(t, columns, study_name)) for t in session.scalars(q)]
+                # each summary bounded by the database: not its per-evaluation lists
+                trials = trials_with_bounded_summaries(session, q)
+                rows = [(t.number, _trial_row(t, columns, study_name)) for t in trials]
             if not rows:
                 return
             after = rows[-1][0]

@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 
 from service.errors import InvalidField
 from service.read.intervals import t_interval
+from service.read.summaries import bounded_summary, decode_summary
 from service.store import NO_INDEX, Metric, Study, Trial, TrialState
 
 __all__ = [
@@ -379,7 +380,14 @@ def study_lr_sensitivity(
     names = _group_by(study, group_by)
     _measures_init(study)
     rows = session.execute(
-        select(Trial.id, Trial.seed, Trial.params, Trial.state, Trial.final_val_loss, Trial.summary)
+        select(
+            Trial.id,
+            Trial.seed,
+            Trial.params,
+            Trial.state,
+            Trial.final_val_loss,
+            bounded_summary(session),  # not its per-evaluation lists (service/read/summaries.py)
+        )
         .where(Trial.study_id == study.id)
         .order_by(Trial.number)
     ).all()
@@ -401,7 +409,8 @@ def study_lr_sensitivity(
         lambda: defaultdict(dict)
     )
     values: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for tid, seed, params, state, loss, summary in rows:
+    for tid, seed, params, state, loss, summary_text in rows:
+        summary = decode_summary(summary_text)
         eta = _on_grid((params or {}).get(LR_PARAM), grid)
         if eta is None:
             continue  # not a learning rate of today's grid

@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Row, and_, case, func, select, text, tuple_
 from sqlalchemy.dialects.postgresql import aggregate_order_by
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 from sqlalchemy.types import Text
 
 from service.errors import InvalidField
@@ -151,7 +151,9 @@ def list_trials(
         total = s.scalar(select(func.count()).select_from(Trial).where(and_(*where))) or 0
         return [], int(total)
     ids = [row[0] for row in page]
-    by_id = {t.id: t for t in s.scalars(select(Trial).where(Trial.id.in_(ids)))}
+    # without their summaries (a list page shows none; a long trial's is hundreds of KiB)
+    rows = s.scalars(select(Trial).where(Trial.id.in_(ids)).options(defer(Trial.summary)))
+    by_id = {t.id: t for t in rows}
     return [by_id[i] for i in ids], int(page[0][1])
 
 
@@ -310,6 +312,7 @@ def _best_trial(s: Session, study: Study) -> Trial | None:
         Trial.feasible.is_not(False),  # the same "best" as /best: feasible trials only
     )
     best_col = Trial.value.desc() if directions[:1] == ["maximize"] else Trial.value.asc()
+    best_q = best_q.options(defer(Trial.summary))  # only its id, value and params are shown
     return s.scalars(best_q.order_by(best_col).limit(1)).first()
 
 

@@ -48,7 +48,8 @@ def trial_config(
     number: int,
     owner: str | None = None,
 ) -> TrialConfig:
-    """The base config with the trial's params, its data dir resolved and its own
+    """The base config with the trial's params, its data dir resolved (and the data root it
+    must stay inside, `task.data_root`, set from QKSCOPE_DATA_DIR) and its own
     checkpoint dir (`<checkpoint_dir>/study-<id>/trial-<n>`, also where its journal lives),
     claimed by `owner`'s trial (a directory another study left there is emptied first).
     Raises `service.spec.SpecError` when the parameters give no valid config."""
@@ -56,6 +57,8 @@ def trial_config(
     task = config.task
     if task.data_dir and not Path(task.data_dir).is_absolute() and settings.data_dir:
         task = task.model_copy(update={"data_dir": str(Path(settings.data_dir) / task.data_dir)})
+    # where the worker checks the data again when it opens it (workers/tasks_lm.py)
+    task = task.model_copy(update={"data_root": settings.data_dir or None})
     ckpt_dir = Path(settings.resolved_checkpoint_dir()) / f"study-{study_id}" / f"trial-{number}"
     return config.model_copy(
         update={

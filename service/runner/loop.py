@@ -167,6 +167,7 @@ class StudyRunner:
         out = self.scheduler.postprocess(batch, ended, force=force)
         self.reports.record_starts(out.starts)
         self.reports.store(out.reports)
+        self.reports.store_after_end(out.after_end)
         self.reports.prune(out.values)
         for rec, reason in out.failed:
             self._fail(rec, reason)
@@ -174,7 +175,8 @@ class StudyRunner:
             if rec in out.late:
                 assert rec.result is not None
                 log.warning(
-                    "trial %d: not all %d reports arrived in %.0f s; finishing",
+                    "trial %d: not all %d reports arrived in %.0f s; finishing (the rest are"
+                    " stored when they come)",
                     rec.number,
                     rec.result.reports_sent,
                     FLUSH_TIMEOUT_S,

@@ -64,6 +64,25 @@ class Reports:
         ]
         self.trials.store_reports(rows)
 
+    def store_after_end(self, reports: list[tuple[Report, int]]) -> None:
+        """Store reports that came after their trial's outcome was recorded (more than
+        FLUSH_TIMEOUT_S after its end: Ray runs an async actor's calls out of order), on the
+        trial's row (`row_id`); the store recounts that row's `metric_rows`, so the count
+        stays the rows stored. Logged: it means the inbox lagged that long."""
+        if not reports:
+            return
+        rows: list[MetricRow] = [
+            (row_id, msg.step, *p) for msg, row_id in reports for p in msg.points
+        ]
+        self.trials.store_reports(rows)
+        per_trial: dict[int, int] = {}
+        for msg, _ in reports:
+            per_trial[msg.trial] = per_trial.get(msg.trial, 0) + 1
+        for number, n in sorted(per_trial.items()):
+            log.warning(
+                "trial %d: %d report(s) came after its outcome was recorded; stored", number, n
+            )
+
     def prune(self, values: list[tuple[TrialRecord, int, float]]) -> None:
         """Hand each (trial, step, value) to Optuna's pruner; stop those it prunes, with why
         (a stop sent twice keeps its first reason)."""

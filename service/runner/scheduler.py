@@ -59,6 +59,10 @@ class Outputs:
     failed: list[tuple[TrialRecord, str]] = field(default_factory=list)  # fail, then `done`
     finished: list[TrialRecord] = field(default_factory=list)  # record, then `done`
     late: list[TrialRecord] = field(default_factory=list)  # of `finished`: reports missing
+    # Reports of trials whose outcome is recorded already (they came more than
+    # FLUSH_TIMEOUT_S after their end: Ray runs an async actor's calls out of order), with
+    # the trial's row id: stored all the same, never dropped.
+    after_end: list[tuple[Report, int]] = field(default_factory=list)
 
 
 class Pool(Protocol):
@@ -91,6 +95,9 @@ class Scheduler:
         self.waiting: deque[TrialRecord] = deque()
         self.workers: dict[str, SlotWorker] = {}
         self.slots_for: dict[str, int] = {}  # a key's slot count a worker said fits
+        # row id of each trial this runner recorded an outcome of: where a report that comes
+        # after it is stored (one int per trial, bounded by budget.n_trials)
+        self.ended_rows: dict[int, int] = {}
         self._serial = 0
 
     # ---- admission ---------------------------------------------------------------------------
@@ -292,13 +299,16 @@ class Scheduler:
         out.starts = [(m, r) for m in batch.starts if (r := self.started(m)) is not None]
         for msg in batch.reports:
             rec = self.records.get(msg.trial)
-            if rec is not None:  # else its outcome is recorded: a late report, dropped
-                rec.received[msg.execution] = rec.received.get(msg.execution, 0) + 1
-                out.reports.append((msg, rec))
-                v = msg.value
-                if v is not None and math.isfinite(v) and msg.step not in rec.reported:
-                    rec.reported.add(msg.step)  # a replayed step is told once
-                    out.values.append((rec, msg.step, v))
+            if rec is None:  # its outcome is recorded: a late report, stored on its row
+                if (row_id := self.ended_rows.get(msg.trial)) is not None:
+                    out.after_end.append((msg, row_id))
+                continue
+            rec.received[msg.execution] = rec.received.get(msg.execution, 0) + 1
+            out.reports.append((msg, rec))
+            v = msg.value
+            if v is not None and math.isfinite(v) and msg.step not in rec.reported:
+                rec.reported.add(msg.step)  # a replayed step is told once
+                out.values.append((rec, msg.step, v))
         for end in batch.ends:
             rec = self.ended(end)
             if rec is not None and isinstance(end, Failed):
@@ -320,8 +330,10 @@ class Scheduler:
         return [r for r in self.records.values() if r.status == Status.FINISHING]
 
     def done(self, rec: TrialRecord) -> None:
-        """The trial's outcome is recorded: it leaves (a late message of it finds nothing)."""
+        """The trial's outcome is recorded: it leaves (a late end of it finds nothing; a late
+        report of it is still stored, on its row: `Outputs.after_end`)."""
         rec.status, rec.worker = Status.DONE, None
+        self.ended_rows[rec.number] = rec.row_id
         if self.records.pop(rec.number, None) is not None:
             self.known += 1
         if rec in self.waiting:

@@ -80,6 +80,11 @@ DATA_DIR_RULE = (
 )
 
 
+DATA_ROOT_RULE = (
+    "is set by the service (QKSCOPE_DATA_DIR, where a trial's data must stay); leave it out"
+)
+
+
 def _data_dir_escapes(value: str, root: str) -> bool:
     """Whether `value` (a task.data_dir) may point outside `root` (QKSCOPE_DATA_DIR; "" when
     unset: then relative paths are read from the workers' working directory, and only the
@@ -104,8 +109,13 @@ def check_data_dirs(spec: StudySpec, root: str) -> list[SpecError]:
     """`base.task.data_dir` and every value the search space gives `task.data_dir` stay
     inside `root` (QKSCOPE_DATA_DIR), where the runner resolves them (service/runner/configs.py);
     then, with a root, the data forms of docs/your-data.md are checked there
-    (`check_data_files`)."""
+    (`check_data_files`). `task.data_root` is the service's to set (the worker checks the
+    data against it again when a trial opens it), never the definition's."""
     errors: list[SpecError] = []
+    if spec.base.task.data_root is not None:
+        errors.append(SpecError("base.task.data_root", DATA_ROOT_RULE))
+    if "task.data_root" in spec.search_space:
+        errors.append(SpecError("search_space.task.data_root", DATA_ROOT_RULE))
     base = spec.base.task.data_dir
     if base is not None and _data_dir_escapes(base, root):
         errors.append(SpecError("base.task.data_dir", DATA_DIR_RULE))

@@ -33,6 +33,7 @@ __all__ = [
     "HISTORY_FREE_SAMPLERS",
     "INFEASIBLE_PATIENCE",
     "MAX_FUSE",
+    "MAX_INT",
     "SUMMARY_METRICS",
     "Budget",
     "CategoricalParam",
@@ -79,12 +80,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+def _distinct(values: list[Any]) -> list[Any]:
+    """`values` with no value twice (numbers compare as numbers: 1, 1.0 are one value; a
+    boolean is not a number). Each repeat is a point the sampler and every check of the
+    search space would take again: 1,000 copies of one choice in three fields asked the
+    POST-time memory check for 1e9 points (issue 42)."""
+    seen: dict[tuple[str, Any], int] = {}
+    for i, v in enumerate(values):
+        kind = "bool" if isinstance(v, bool) else "str" if isinstance(v, str) else "number"
+        key = (kind, v)
+        if key in seen:
+            raise ValueError(f"value {i} ({v!r}) repeats value {seen[key]}: give each value once")
+        seen[key] = i
+    return values
+
+
 class FloatParam(_Strict):
     type: Literal["float"]
     low: float
     high: float
     log: bool = False
-    grid: list[float] | None = Field(None, min_length=1, max_length=1000)
+    grid: Annotated[list[float], AfterValidator(_distinct)] | None = Field(
+        None, min_length=1, max_length=1000
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> FloatParam:
@@ -101,7 +119,9 @@ class IntParam(_Strict):
     high: int
     log: bool = False
     step: int = Field(1, ge=1)
-    grid: list[int] | None = Field(None, min_length=1, max_length=1000)
+    grid: Annotated[list[int], AfterValidator(_distinct)] | None = Field(
+        None, min_length=1, max_length=1000
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> IntParam:
@@ -120,7 +140,9 @@ Scalar = str | int | float | bool
 
 class CategoricalParam(_Strict):
     type: Literal["categorical"]
-    choices: list[Scalar] = Field(min_length=1, max_length=1000)
+    choices: Annotated[list[Scalar], AfterValidator(_distinct)] = Field(
+        min_length=1, max_length=1000
+    )
 
 
 class FixedParam(_Strict):
@@ -206,6 +228,39 @@ HISTORY_FREE_SAMPLERS = ("random", "grid")
 
 SpecError = InvalidField  # a spec problem, with the dotted field it concerns
 
+# The largest magnitude of any integer in a definition: 2**53, the last integer a float (and
+# a JavaScript client) holds exactly. The fields with bounds of their own stay far below it;
+# the others (`eval_every`, `optim.warmup_steps`, a range's `high`, a choice, a fixed
+# value, ...) met `float()` in the checks, and a 400-digit integer raised OverflowError: a
+# 500 instead of a 422 (issue 42).
+MAX_INT = 2**53
+
+
+def _first_huge_int(node: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], int] | None:
+    """The path and value of the first integer (not a boolean) beyond +-MAX_INT in `node`."""
+    if isinstance(node, int) and not isinstance(node, bool):
+        return (path, node) if abs(node) > MAX_INT else None
+    items: Any = ()
+    if isinstance(node, dict):
+        items = ((str(k), v) for k, v in node.items())
+    elif isinstance(node, list | tuple):
+        items = ((str(i), v) for i, v in enumerate(node))
+    for key, child in items:
+        if (hit := _first_huge_int(child, (*path, key))) is not None:
+            return hit
+    return None
+
+
+def _check_integers(data: Any) -> None:
+    hit = _first_huge_int(data)
+    if hit is not None:
+        path, value = hit
+        raise SpecError(
+            ".".join(path),
+            f"an integer of {len(str(abs(value)))} digits is out of range: at most"
+            f" {MAX_INT:,} (2**53) in magnitude",
+        )
+
 
 class StudySpec(_Strict):
     name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.\-]*$")
@@ -263,6 +318,21 @@ class StudySpec(_Strict):
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_FUSE:
             raise ValueError(f"must be an integer from 1 to {MAX_FUSE}, or 'auto'; got {v!r}")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _input_integers_bounded(cls, data: Any) -> Any:
+        """Every integer of the input within +-MAX_INT, named by its dotted field, before
+        any field's own check reads it (the trial config's would name `base` only)."""
+        _check_integers(data)
+        return data
+
+    @model_validator(mode="after")
+    def _integers_bounded(self) -> StudySpec:
+        """The same after validation (a string of digits in an integer field is an integer
+        by then). Runs before `_consistent`, whose checks compute with the values."""
+        _check_integers(self.model_dump(by_alias=True))
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> StudySpec:

@@ -22,12 +22,13 @@ fails a trial whose suggest still fails, not the study.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from service.spec.model import (
     CategoricalParam,
@@ -230,13 +231,47 @@ GROWING: tuple[str, ...] = (
     "task.n_valid",
 )
 # Fields whose choices change the shape of the estimate: every combination is a worst point.
+# Each has a handful of valid values (a Literal or a bool; `dtype` sets bytes per number), so
+# once each field's values are validated and made distinct there are at most
+# 4 x 3 x 5 x 2 x 6 x 4 combinations, whatever the choices say: the product is never built
+# from the choices themselves (1,000 copies of one choice in each of three fields was 1e9
+# points, issue 42).
 CHOOSING: tuple[str, ...] = (
     "task.kind",
     "task.format",
     "task.tokenizer",
     "model.mlp",
     "model.block",
+    "dtype",
 )
+
+
+@functools.cache
+def _adapter(path: str) -> TypeAdapter[Any]:
+    """A validator of one field of the trial config, with the field's own annotation."""
+    model: type[BaseModel] = TrialConfig
+    *sections, name = path.split(".")
+    for section in sections:
+        model = model.model_fields[section].annotation  # type: ignore[assignment]
+    field = model.model_fields[name]
+    kind: Any = field.annotation
+    if field.metadata:
+        kind = Annotated[kind, *field.metadata]
+    return TypeAdapter(kind)
+
+
+def _distinct_valid(path: str, values: list[Scalar]) -> list[Scalar]:
+    """The distinct values `values` give the field `path`, as the trial config reads them
+    (pydantic's lax mode reads "true", 1 and "on" as one True); values the field refuses are
+    left out (the point checks name them, or the runner fails the trial that draws one)."""
+    adapter = _adapter(path)
+    out: dict[Any, None] = {}
+    for v in values:
+        try:
+            out[adapter.validate_python(v)] = None
+        except ValidationError:
+            continue
+    return list(out)
 
 
 def _number(v: Scalar) -> float | None:
@@ -284,18 +319,19 @@ def unchecked_config(data: dict[str, Any]) -> TrialConfig:
 
 def worst_points(spec: StudySpec) -> list[tuple[dict[str, Scalar], TrialConfig]]:
     """The points of the search space that need the most memory (and parameters): every
-    growing field at its largest value, for each combination of the choosing fields; with
-    the values set, as trial configs (`unchecked_config`)."""
+    growing field at its largest value, for each combination of the choosing fields' distinct
+    valid values (at most 2,880); with the values set, as trial configs (`unchecked_config`)."""
     grid = spec.sampler.kind == "grid"
     values = {p: candidate_values(param, grid)[0] for p, param in spec.search_space.items()}
     largest: dict[str, Scalar] = {}
     for path in GROWING:
         if path in values and (top := _extreme(values[path], largest=True)) is not None:
             largest[path] = top
-    choosing = [p for p in CHOOSING if p in values]
+    choices = {p: _distinct_valid(p, values[p]) for p in CHOOSING if p in values}
+    choosing = [p for p, v in choices.items() if v]  # none valid: the base value stands
     data = spec.base.model_dump(mode="json", by_alias=True)
     points = []
-    for combo in itertools.product(*(values[p] for p in choosing)):
+    for combo in itertools.product(*(choices[p] for p in choosing)):
         params = {**largest, **dict(zip(choosing, combo, strict=True))}
         points.append((params, unchecked_config(with_params(data, params))))
     return points
@@ -361,6 +397,10 @@ def check_memory(spec: StudySpec, max_bytes: int) -> list[SpecError]:
                 smaller = unchecked_config(with_params(data, {**params, path: low}))
                 if (d := est.total - memory_estimate(smaller).total) > saved:
                     field, saved = f"search_space.{path}", d
+            if params.get("dtype") == "float64":  # double precision doubles every float part
+                single = unchecked_config(with_params(data, {**params, "dtype": "float32"}))
+                if est.total - memory_estimate(single).total > saved:
+                    field = "search_space.dtype"
         parts = ", ".join(
             f"{name} {_gib(getattr(est, name))}"
             for name in ("parameters", "activations", "logits", "probe", "validation")

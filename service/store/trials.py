@@ -197,8 +197,9 @@ class TrialRows(Rows):
     def store_reports(self, rows: list[MetricRow]) -> None:
         """One transaction for a batch of metric rows: inserts `qk_metric` rows (replays
         are skipped), raises each trial's `last_step` (never backwards), and recounts
-        `metric_rows` on those of its trials that were CANCELLED (rows that land after a
-        cancel). Retried; fenced.
+        `metric_rows` on those of its trials that have ended (rows that land after a cancel,
+        or after the trial's result: a report the inbox delivered late), so that an ended
+        trial's count is always the rows stored. Retried; fenced.
 
         Raises:
             Superseded: The fence is stale; nothing changed.
@@ -231,7 +232,7 @@ class TrialRows(Rows):
                 )
             s.execute(
                 update(Trial)
-                .where(Trial.id.in_(last), Trial.state == TrialState.CANCELLED)
+                .where(Trial.id.in_(last), Trial.state.not_in(OPEN_TRIAL_STATES))
                 .values(metric_rows=stored_metric_rows())
             )
 

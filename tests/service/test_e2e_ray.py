@@ -116,5 +116,3 @@ def test_study_runs_end_to_end(app_client: TestClient, db_url: str, ray_head: Lo
     assert [m["step"] for m in metrics] == eval_steps and all(m["layer"] is None for m in metrics)
     detail = client.get(f"/v1/trials/{trials[0]['id']}").json()
     assert detail["summary"]["eval_steps"] == eval_steps
-
-

@@ -135,5 +135,3 @@ def test_every_member_has_its_own_rows_summary_and_state(
     for t in calm:
         assert any((ckpt / f"study-{sid}" / f"trial-{t['number']}").iterdir())
     check_finished_study(db_url, sid)
-
-

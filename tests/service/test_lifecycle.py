@@ -1,7 +1,8 @@
 """A trial's lifecycle in the runner, on real SQLite/PostgreSQL and Optuna's real RDBStorage
-(no Ray: the runner's parts are driven directly, its pool records what it is asked): a cancel that landed first is never
-overwritten by a late result; `last_step` never goes backwards; a report that arrives after
-its trial finished is dropped, never a crash; a retried ask adopts the trial the failed try
+(no Ray: the runner's parts are driven directly, its pool records what it is asked): a
+cancel that landed first is never overwritten by a late result; `last_step` never goes
+backwards; a report that arrives after its trial finished is stored on its row (its
+`metric_rows` recounted), never a crash; a retried ask adopts the trial the failed try
 created instead of leaving it RUNNING for ever."""
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def test_last_step_never_goes_backwards(db_url: str, tmp_path: Path) -> None:
     assert _row(runner, rec).last_step == 60
 
 
-def test_a_report_after_the_trial_finished_is_dropped_not_a_crash(
+def test_a_report_after_the_trial_finished_is_stored_not_a_crash(
     db_url: str, tmp_path: Path
 ) -> None:
     runner = _runner(
@@ -141,7 +142,47 @@ def test_a_report_after_the_trial_finished_is_dropped_not_a_crash(
     _said(runner, gone, _report(gone.number, 20, 2.0))
     with session_scope(runner.store.sessions) as s:
         stored = s.scalar(select(func.count()).where(Metric.trial_id == gone.row_id))
-    assert stored == 0
+    assert stored == 1  # issue 42: stored on its row, not dropped
+    assert runner.reports.stop_trial.__self__.stopped == []  # type: ignore[attr-defined]
+
+
+def _metric_count(runner: StudyRunner, rec: TrialRecord) -> int:
+    with session_scope(runner.store.sessions) as s:
+        return int(s.scalar(select(func.count()).where(Metric.trial_id == rec.row_id)) or 0)
+
+
+def test_reports_later_than_the_flush_timeout_are_written_and_counted(
+    db_url: str, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Issue 42: Ray runs an async actor's calls out of order, so a trial's end can reach the
+    runner before some of its reports. The runner waits FLUSH_TIMEOUT_S for them, records
+    the outcome, and (before) dropped whatever came later: rows lost, `metric_rows` short of
+    what the trial measured. Now they are stored on the trial's row and its `metric_rows`
+    recounted; the recorded outcome and Optuna's trial are untouched."""
+    from service.runner import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "FLUSH_TIMEOUT_S", 0.0)  # the wait, not its length
+    runner = _runner(db_url, tmp_path)
+    rec = _launch(runner)
+    points = [("val_loss", None, None, 2.0), ("attn_entropy", 0, 0, 0.5)]
+    reports = [Report(rec.number, "exec", step, points, 2.0) for step in (20, 40, 60)]
+    _said(runner, rec, reports[0])  # one of three arrived
+    summary = {"status": "completed", "steps_done": 60, "final_val_loss": 1.5, "eval_steps": [60]}
+    end = Stopped(
+        rec.worker or "", rec.number, "exec", TrialSummary.model_validate(summary), "n", 1.0, 2.0, 3
+    )
+    runner._post_process(Batch(ends=[end]), [])  # waited the flush timeout: recorded
+    row = _row(runner, rec)
+    assert row.state == TrialState.COMPLETE and row.metric_rows == 2 == _metric_count(runner, rec)
+    told = runner.storage.get_trial(rec.trial._trial_id)
+    assert told.state == OptunaState.COMPLETE
+    runner._post_process(Batch(reports=reports[1:]), [])  # the late ones
+    row = _row(runner, rec)
+    assert _metric_count(runner, rec) == 6 and row.metric_rows == 6  # every row, counted
+    assert row.state == TrialState.COMPLETE and row.final_val_loss == 1.5 and row.last_step == 60
+    assert runner.storage.get_trial(rec.trial._trial_id).datetime_complete == told.datetime_complete
+    runner._post_process(Batch(reports=reports[1:]), [])  # a replay: no-op
+    assert _metric_count(runner, rec) == 6 and _row(runner, rec).metric_rows == 6
 
 
 def test_the_pruner_gets_the_workers_value_and_its_stop_carries_the_reason(

@@ -470,8 +470,9 @@ def test_with_tokens_no_data_without_a_valid_token(
     browser: Any, secured_site: str, db: tuple[str, Engine, ui_seed.Seeded]
 ) -> None:
     seeded = db[2]
-    # The assets need no token; every data route does.
+    # The shell needs no token; the UI's other files (issue 42) and every data route do.
     assert httpx.get(f"{secured_site}/ui/").status_code == 200
+    assert httpx.get(f"{secured_site}/ui/js/app.js").status_code == 401
     assert httpx.get(f"{secured_site}/v1/ui/config").status_code == 401
     page = Page(browser, secured_site)
     try:

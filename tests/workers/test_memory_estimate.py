@@ -26,6 +26,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "task": {"kind": "associative_recall", "n_symbols": 1024, "n_valid": 20_000},
     },
     "sort": {"batch_size": 8, "task": {"kind": "sort", "seq_len": 1024, "n_valid": 10_000}},
+    # Double precision: 8 bytes a number (issue 42: the estimate assumed 4 for every dtype,
+    # and this trial grew past that estimate).
+    "activations-float64": {
+        "dtype": "float64",
+        "batch_size": 32,
+        "task": {"kind": "copy", "seq_len": 256, "n_valid": 64},
+        "model": {"n_heads": 8},
+    },
 }
 
 # The trial's own growth of resident memory: sampled every 2 ms from /proc while it runs,
@@ -59,7 +67,7 @@ print(json.dumps(max(peak[0], rss()) - before))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_estimate_bounds_a_real_trial(name: str) -> None:
     config = TrialConfig.model_validate(
-        {**CONFIGS[name], "steps": 3, "eval_every": 3, "device": "cpu", "dtype": "float32"}
+        {"dtype": "float32", **CONFIGS[name], "steps": 3, "eval_every": 3, "device": "cpu"}
     )
     est = memory_estimate(config)
     out = subprocess.run(
@@ -80,3 +88,15 @@ def test_the_lm_validation_bound_is_the_tasks_own() -> None:
     from workers.tasks import MAX_VALID_BATCHES
 
     assert LM_VALID_BATCHES == MAX_VALID_BATCHES
+
+
+def test_a_float64_trial_is_estimated_at_eight_bytes_a_number() -> None:
+    """Every float part doubles from float32 to float64 (weights, gradients, moments,
+    activations, logits, probe: `float_bytes`); the validation set holds token ids and does
+    not. Counted here from the parts' own formulas at 4 bytes, independently of the code."""
+    base = {**CONFIGS["activations"], "device": "cpu"}
+    f32 = memory_estimate(TrialConfig.model_validate({**base, "dtype": "float32"}))
+    f64 = memory_estimate(TrialConfig.model_validate({**base, "dtype": "float64"}))
+    for part in ("parameters", "activations", "logits", "probe"):
+        assert getattr(f64, part) == 2 * getattr(f32, part), part
+    assert f64.validation == f32.validation

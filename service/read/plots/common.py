@@ -15,6 +15,7 @@ from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidField
+from service.read.summaries import trials_with_bounded_summaries
 from service.store import SUMMARY_COLUMNS, Study, Trial, TrialState
 from workers.metric_names import FLAG_SUMMARIES, NUMERIC_SUMMARIES, series_by_index
 
@@ -206,7 +207,7 @@ def trials_of(session: Session, study: Study, states: tuple[str, ...] | None = N
     q = select(Trial).where(Trial.study_id == study.id)
     if states is not None:
         q = q.where(Trial.state.in_(states))
-    return list(session.scalars(q.order_by(Trial.number)).all())
+    return trials_with_bounded_summaries(session, q.order_by(Trial.number))
 
 
 # What every plot row carries: enough for values_of and the history. JSON columns come as

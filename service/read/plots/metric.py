@@ -23,6 +23,7 @@ from service.read.plots.common import (
     finite,
     objectives_of,
 )
+from service.read.summaries import trials_with_bounded_summaries
 from service.store import NO_INDEX, Metric, Study, Trial, TrialState
 
 __all__ = ["KIND", "data", "draw", "default_metric_trials"]
@@ -51,7 +52,8 @@ def default_metric_trials(session: Session, study: Study, n: int = DEFAULT_TRIAL
     the `n` latest trials (so a running study can be watched)."""
     direction = objectives_of(study)[0]["direction"]
     order = Trial.value.desc() if direction == "maximize" else Trial.value.asc()
-    best = session.scalars(
+    best = trials_with_bounded_summaries(
+        session,
         select(Trial)
         .where(
             Trial.study_id == study.id,
@@ -60,13 +62,14 @@ def default_metric_trials(session: Session, study: Study, n: int = DEFAULT_TRIAL
             Trial.feasible.is_not(False),
         )
         .order_by(order, Trial.number)
-        .limit(n)
-    ).all()
+        .limit(n),
+    )
     if best:
         return list(best)
-    latest = session.scalars(
-        select(Trial).where(Trial.study_id == study.id).order_by(Trial.number.desc()).limit(n)
-    ).all()
+    latest = trials_with_bounded_summaries(
+        session,
+        select(Trial).where(Trial.study_id == study.id).order_by(Trial.number.desc()).limit(n),
+    )
     return sorted(latest, key=lambda t: t.number)
 
 
@@ -95,9 +98,9 @@ def _chosen_trials(session: Session, study: Study, o: PlotOptions) -> list[Trial
     if not o.trials:
         return list(default_metric_trials(session, study))
     numbers = _parse_trials(o.trials)
-    found = session.scalars(
-        select(Trial).where(Trial.study_id == study.id, Trial.number.in_(numbers))
-    ).all()
+    found = trials_with_bounded_summaries(
+        session, select(Trial).where(Trial.study_id == study.id, Trial.number.in_(numbers))
+    )
     by_number = {t.number: t for t in found}
     missing = [n for n in numbers if n not in by_number]
     if missing:

@@ -20,6 +20,15 @@ export function token() { return sessionStorage.getItem(TOKEN_KEY); }
 export function setToken(t) { sessionStorage.setItem(TOKEN_KEY, t.trim()); }
 export function forgetToken() { sessionStorage.removeItem(TOKEN_KEY); }
 
+/** The "forget token" button: this browser's UI cookie goes too (service/ui/__init__.py). */
+export async function endSession() {
+  const t = token();
+  if (!t) return;
+  try {
+    await fetch(new URL('v1/ui/session', BASE), {method: 'DELETE', headers: {Authorization: `Bearer ${t}`}, cache: 'no-store'});
+  } catch { /* the cookie then lasts until the browser closes: it opens no data */ }
+}
+
 /** Query string from an object; arrays repeat the key (where=a&where=b); nulls are left out. */
 export function qs(params = {}) {
   const p = new URLSearchParams();

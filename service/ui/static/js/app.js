@@ -3,7 +3,7 @@
 //   #/studies/<id>     one study
 //   #/trials/<id>[,<id>...]   one trial, or 2-4 side by side
 
-import {AuthError, forgetToken, get, setToken, token} from './api.js';
+import {AuthError, endSession, forgetToken, get, setToken, token} from './api.js';
 import {disposeAll} from './charts.js';
 import {fill, h} from './dom.js';
 import {studiesPage} from './studies.js';
@@ -83,7 +83,7 @@ async function route() {
   }
 }
 
-forget.addEventListener('click', () => { forgetToken(); config = null; route(); });
+forget.addEventListener('click', async () => { await endSession(); forgetToken(); config = null; route(); });
 window.addEventListener('hashchange', route);
 window.addEventListener('unhandledrejection', (e) => {
   if (e.reason instanceof AuthError) { e.preventDefault(); needToken(e.reason); }
