@@ -156,11 +156,12 @@ Param = Annotated[
 
 
 # Evaluations in a row a constraint that can still be undone must be violated before the
-# trial is stopped. bench/archive/infeasible_patience.py (2026-11-25, 48 random quickstart-space trials
-# trained to the end, 8 evaluations each, 35 ending feasible): patience 1-2 would have stopped
-# 2 trials that ended feasible, 3 one, 4 none while still stopping all 13 that ended
-# infeasible (12 % of the steps saved; 5: 9 %, 8: none). 4 is the smallest with no false stop
-# in that sample, which bounds the false-stop rate to about 3/35 (95 %), not to zero.
+# trial is stopped. bench/archive/infeasible_patience.py (2026-11-25, 48 random
+# quickstart-space trials trained to the end, 8 evaluations each, 35 ending feasible): patience
+# 1-2 would have stopped 2 trials that ended feasible, 3 one, 4 none while still stopping all
+# 13 that ended infeasible (12 % of the steps saved; 5: 9 %, 8: none). 4 is the smallest with
+# no false stop in that sample, which bounds the false-stop rate to about 3/35 (95 %), not to
+# zero.
 INFEASIBLE_PATIENCE = 4
 
 
