@@ -218,6 +218,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     return 1
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
