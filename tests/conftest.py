@@ -46,6 +46,8 @@ _RAY_MODULES = {
     "test_cli.py",  # `qkscope serve` subprocesses start Ray heads of their own
     "test_serve_guard.py",
 }
+# QKSCOPE_TEST_RERUNS=0 while debugging a Ray test: see its failure at once.
+_RERUNS = int(os.environ.get("QKSCOPE_TEST_RERUNS", "1"))
 _RAY_FIXTURES = {"ray_head", "shared_ray_head", "own_ray_head", "local_ray", "cluster"}
 
 
@@ -66,7 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     once). On two cores the Ray tests' waits for jobs and processes are filled by unit tests."""
     for item in items:
         if uses_ray(item):
-            item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=5))
+            if _RERUNS:
+                item.add_marker(pytest.mark.flaky(reruns=_RERUNS, reruns_delay=5))
             item.add_marker(pytest.mark.xdist_group("ray"))
         else:
             item.add_marker(pytest.mark.xdist_group(item.path.relative_to(ROOT).as_posix()))

@@ -93,6 +93,10 @@ def test_study_runs_end_to_end(app_client: TestClient, db_url: str, ray_head: Lo
         )
         assert summary["entropy_collapse_rate"] == pytest.approx(collapsed / len(trials))
         assert s.get(Study, sid).finished_at is not None  # type: ignore[union-attr]
+        # The runner stores each evaluation's step in the summary; read routes leave that list
+        # out (service/read/summaries.py) and serve it as the val_loss series below.
+        stored = s.get(Trial, trials[0]["id"])
+        assert stored is not None and stored.summary["eval_steps"] == eval_steps
     engine.dispose()
 
     # The trials endpoint filters and sorts what the runner wrote.
@@ -115,4 +119,5 @@ def test_study_runs_end_to_end(app_client: TestClient, db_url: str, ray_head: Lo
     ).json()
     assert [m["step"] for m in metrics] == eval_steps and all(m["layer"] is None for m in metrics)
     detail = client.get(f"/v1/trials/{trials[0]['id']}").json()
-    assert detail["summary"]["eval_steps"] == eval_steps
+    assert "eval_steps" not in detail["summary"] and "val_losses" not in detail["summary"]
+    assert detail["summary"]["final_val_loss"] == pytest.approx(metrics[-1]["value"])
