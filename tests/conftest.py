@@ -61,11 +61,12 @@ def uses_ray(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Rerun a Ray test once (above), and group the tests for pytest-xdist
-    (`--dist loadgroup`, pyproject.toml): every test that touches Ray in one group, run by
-    one worker in turn on the session's one shared head while the other worker runs the rest
-    module by module (each module on one worker, so its module-scoped fixtures are built
-    once). On two cores the Ray tests' waits for jobs and processes are filled by unit tests."""
+    """Rerun a Ray test once (above), and group the tests for an optional pytest-xdist run
+    (`pytest -n 4 --dist loadgroup` on a machine with cores to spare): every test that
+    touches Ray in one group, run by one worker in turn on the session's one shared head,
+    the rest module by module (each module's fixtures built once). The default run is
+    serial: on two cores, unit tests beside the Ray tests slowed those past their deadlines
+    (CI: 25 reruns, 65 min)."""
     for item in items:
         if uses_ray(item):
             if _RERUNS:

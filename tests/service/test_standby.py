@@ -26,7 +26,8 @@ from service.store.models import Study
 from service.store.session import session_scope
 from tests.service.helpers import small_quickstart, wait_until
 
-pytestmark = pytest.mark.cluster
+# PostgreSQL: the standby contract in tests/service/store/test_standbys.py, both databases.
+pytestmark = [pytest.mark.cluster, pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)]
 
 
 @pytest.fixture
