@@ -119,7 +119,7 @@ def test_every_member_has_its_own_rows_summary_and_state(
     for t in calm:
         detail = app_client.get(f"/v1/trials/{t['id']}").json()
         assert detail["summary"]["status"] == "completed"
-        assert detail["summary"]["eval_steps"] == [10, 20, 30, 40]
+        assert "eval_steps" not in detail["summary"]  # read routes: the val_loss series below
         assert [s for s, _ in val_losses(app_client, t["id"])] == [10, 20, 30, 40]
         assert math.isfinite(t["value"])
     for t in wild:
