@@ -247,8 +247,8 @@ def test_a_submission_still_in_flight_is_not_judged_lost(
         database_url=db_url, ray_address=ray_head.dashboard_url, home=tmp_path, max_job_attempts=1
     )
     row, _ = store.studies.create(StudySpec.model_validate(fault_spec(n_trials=1, steps=20)))
-    assert store.studies.claim_launch(row.id, 0) == 1
-    store.studies.record_job(row.id, f"qkscope-study-{row.id}-a1-inflight")  # not in Ray yet
+    claimed = store.studies.claim_launch(row.id, 0, lambda i, a: f"qkscope-study-{i}-a{a}-inflight")
+    assert claimed == (1, f"qkscope-study-{row.id}-a1-inflight")  # not in Ray yet
     launcher = JobLauncher(ray_head.dashboard_url)
     assert reconcile(store, launcher, settings) == 0
     after = store.studies.get(row.id)
