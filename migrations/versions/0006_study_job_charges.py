@@ -1,7 +1,9 @@
 """What a study's runner-job deaths were charged to: `job_failures` (the study or the
 cluster, bounded by max_job_attempts) and `weather_relaunches` (the database away, a
 submission Ray never took; bounded by max_weather_relaunches). `job_attempts` stays the
-fence token and only goes up. Existing rows start at 0 (their earlier deaths uncharged).
+fence token and only goes up. An existing study's earlier relaunches were each charged as a
+failure under the old rule (`job_attempts` counted them), so its `job_failures` starts at
+`job_attempts - 1`: an upgrade gives no study its attempts back.
 
 Revision ID: 0006
 Revises: 0005
@@ -27,6 +29,7 @@ def upgrade() -> None:
         batch.add_column(
             sa.Column("weather_relaunches", sa.Integer(), nullable=False, server_default="0")
         )
+    op.execute("UPDATE qk_study SET job_failures = job_attempts - 1 WHERE job_attempts > 1")
 
 
 def downgrade() -> None:
