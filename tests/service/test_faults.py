@@ -284,6 +284,9 @@ def test_a_submission_whose_answer_was_lost_is_not_submitted_again(
     while real.status(recorded.ray_job_id) is None and time.monotonic() < deadline:
         time.sleep(0.2)  # Ray accepted it: it shows up under the recorded id
     assert real.status(recorded.ray_job_id) is not None
+    # What the launch asks after a failed submission, as the real job server answers it.
+    assert real.lookup(recorded.ray_job_id) in ("PENDING", "RUNNING", "SUCCEEDED", "FAILED")
+    assert real.lookup(f"qkscope-study-{row.id}-a9-never") is None
     assert reconcile(store, real, settings, grace_s=0) == 0
     mine = [
         j
