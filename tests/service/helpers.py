@@ -130,6 +130,18 @@ def job_attempts(db_url: str, sid: int) -> int:
         engine.dispose()
 
 
+def job_charges(db_url: str, sid: int) -> tuple[int, int]:
+    """The study's (job_failures, weather_relaunches): its runners' deaths as charged."""
+    engine = make_engine(db_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            row = s.get(Study, sid)
+            assert row is not None
+            return row.job_failures, row.weather_relaunches
+    finally:
+        engine.dispose()
+
+
 def cli_env(home: Path, api_url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QKSCOPE_", "RAY_"))}
     env["QKSCOPE_HOME"] = str(home)
