@@ -26,6 +26,7 @@ from service.control.ray_cluster import job_id_for
 from service.control.reconciler import reconcile
 from service.spec import StudySpec
 from service.store import DatabaseUnavailable, Fence, Store, StudyStatus, migrate
+from service.store.optuna import optuna_storage
 from service.store.session import (
     database_away,
     make_engine,
@@ -169,3 +170,25 @@ def _job(job_id: str, sid: int) -> Any:
     from tests.service.helpers import StandInJob
 
     return StandInJob(job_id, sid, 1)
+
+
+def test_optunas_storage_discards_read_only_connections_too(
+    pg: tuple[str, Engine, Store],
+) -> None:
+    """The runner's Optuna calls go through Optuna's own engine: a 25006 there is weather
+    as well (found through Optuna's StorageInternalError), and its connection is not kept."""
+    import optuna
+
+    url, _, _ = pg
+    storage = optuna_storage(url)
+    try:
+        optuna.create_study(storage=storage, study_name="before")  # a pooled connection
+        read_only(url, True)
+        optuna.load_study(storage=storage, study_name="before")  # reads work: pooled again
+        with pytest.raises(Exception) as err:
+            optuna.create_study(storage=storage, study_name="during")
+        assert database_away(err.value)
+        read_only(url, False)
+        optuna.create_study(storage=storage, study_name="after")  # a fresh, writable one
+    finally:
+        storage.engine.dispose()
