@@ -63,6 +63,10 @@ class Study:
     n_trials: int
     ray_job_id: str | None = None
     job_attempts: int = 0
+    # Its runner jobs' deaths: of the study or the cluster (bounded by the server's
+    # QKSCOPE_MAX_JOB_ATTEMPTS), and relaunches after the database was away (weather).
+    job_failures: int = 0
+    weather_relaunches: int = 0
     optuna_study_name: str = ""
     error: str | None = None
     # Why its trials are not starting (no node has the resources, Ray does not answer).

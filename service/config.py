@@ -54,7 +54,13 @@ class Settings(BaseSettings):
     # Refuse studies whose resources no alive Ray node has (turn off for autoscaling clusters,
     # whose nodes appear later; the runner then shows a waiting reason instead).
     check_resources: bool = True
-    max_job_attempts: int = Field(5, ge=1)  # runner jobs per study before it is marked FAILED
+    # Runner jobs per study that may die of the study or the cluster before it is marked
+    # FAILED. A runner that exits because the database was away (exit 75) is not one of
+    # them: weather has its own, much larger bound, and its relaunch waits a while after
+    # the exit (`weather_relaunch_delay_s`) and for the API's database to answer.
+    max_job_attempts: int = Field(5, ge=1)
+    max_weather_relaunches: int = Field(1000, ge=0)
+    weather_relaunch_delay_s: float = Field(30.0, ge=0.0)
     # How long a study runner waits for a database that went away (refused or dropped
     # connections) before it exits leaving the study RUNNING for the reconciler; a restart
     # or failover of PostgreSQL must fit in it. Never a reason to fail a study.

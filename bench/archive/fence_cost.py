@@ -71,7 +71,10 @@ def measure(url: str, reps: int) -> list[list[object]]:
         plain = Store(sessions)
         spec = StudySpec.model_validate({"name": "fence-cost", "budget": {"n_trials": 1}})
         row, _ = plain.studies.create(spec)
-        attempt = plain.studies.claim_launch(row.id, None)
+        attempt, _ = plain.studies.claim_launch(row.id, None, lambda i, a: f"bench-{i}-a{a}") or (
+            0,
+            "",
+        )
         assert attempt is not None
         fenced = Store(sessions, Fence(row.id, attempt))
         trial = plain.trials.insert_queued(row.id, 0, {}, 0)

@@ -37,7 +37,19 @@ class StudyOut(BaseModel):
     status: str
     n_trials: int
     ray_job_id: str | None
-    job_attempts: int
+    job_attempts: int = Field(
+        description="The runner-job attempt last launched (only ever goes up; the runner's fence)."
+    )
+    job_failures: int = Field(
+        0,
+        description="Runner jobs that died of the study or the cluster"
+        " (bounded by QKSCOPE_MAX_JOB_ATTEMPTS).",
+    )
+    weather_relaunches: int = Field(
+        0,
+        description="Relaunches after a runner exited because the database was away: never"
+        " charged to QKSCOPE_MAX_JOB_ATTEMPTS (bounded by QKSCOPE_MAX_WEATHER_RELAUNCHES).",
+    )
     optuna_study_name: str
     error: str | None
     waiting_reason: str | None = Field(

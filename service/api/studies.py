@@ -41,6 +41,7 @@ from service.store import (
     Study,
     StudyStatus,
     TrialState,
+    database_away,
     session_scope,
 )
 
@@ -205,7 +206,8 @@ def _store_and_launch(
             launch_study(store, launcher, settings, row.id, seen_attempts=0)
         except Exception as e:  # the reconciler retries PENDING studies
             log.warning("study %d stays PENDING: submit failed: %s", row.id, e)
-            store.studies.mark_ray_unreachable(settings.ray_address, e, study_id=row.id)
+            if not database_away(e):  # the database: the study was created all the same
+                store.studies.mark_ray_unreachable(settings.ray_address, e, study_id=row.id)
     elif settings.ray_address:  # the job server did not answer when we last tried
         store.studies.mark_ray_unreachable(settings.ray_address, "no connection", study_id=row.id)
     with session_scope(state.sessions) as session:

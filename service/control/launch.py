@@ -3,22 +3,34 @@ service/control/reconciler.py).
 
 Side effects follow the database: a study row is committed PENDING first and only then is
 its Ray job submitted, so a failed submission leaves a PENDING study for the reconciler to
-launch later, never a job without a row. The job id is chosen here and recorded before the
-submission, so a submission that Ray accepted but whose answer was lost (a client timeout)
-is found by that id, not submitted a second time.
+launch later, never a job without a row. The attempt and its job id are claimed and recorded
+in one transaction before the submission (`StudyRows.claim_launch`), and attempt numbers
+only go up: the fence (service/store/fence.py) never admits two runners with one attempt.
+
+A submission that raised is not taken for a refusal: the request may have reached Ray and
+only its answer been lost (a read timeout, a connection reset after the job was sent). So
+Ray is asked for the job by its submission id (`JobLauncher.lookup`): if it has it, the
+launch succeeded; if it answers that it has none, the recorded id is cleared (the attempt
+stays spent, `StudyRows.forget_unsubmitted`) so the relaunch is not charged as a dead
+runner; if it does not answer, the id stays and the reconciler judges it from Ray's job
+list in a later round. The claim is never undone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
 from service.config import Settings
 from service.control.ray_cluster import JobLauncher, job_id_for
-from service.store import Store
+from service.store import Charge, Store
 
-__all__ = ["launch_study", "maybe_accepted", "runner_env"]
+__all__ = ["LOOKUP_TRIES", "launch_study", "maybe_accepted", "runner_env"]
 
 log = logging.getLogger(__name__)
+LOOKUP_TRIES = 3  # answers of "no such job" before a failed submission is taken as refused
+LOOKUP_PAUSE_S = 0.5  # between them: a request still being handled by the job server lands
 
 
 def runner_env(settings: Settings) -> dict[str, str]:
@@ -45,31 +57,61 @@ def launch_study(
     settings: Settings,
     study_id: int,
     seen_attempts: int | None = None,
+    charge: Charge | None = None,
 ) -> str | None:
-    """Submit the study's Ray job (a new attempt id each time) and record it.
+    """Claim the study's next attempt (its job id recorded with it), submit that job, and
+    return its id.
 
     With `seen_attempts`, the attempt is claimed only if nobody launched the study since
     the caller looked (another reconciler, an overlapping API process): returns None then.
+    `charge` counts the previous job's death in the same transaction (the reconciler's).
+
+    Raises:
+        Exception: The submission failed and Ray does not have the job (or did not say):
+            the attempt stays claimed; the reconciler launches the next one.
     """
-    previous = store.studies.get(study_id)
-    attempt = store.studies.claim_launch(study_id, seen_attempts)
-    if attempt is None:
+    claimed = store.studies.claim_launch(study_id, seen_attempts, job_id_for, charge)
+    if claimed is None:
         return None
-    job_id = job_id_for(study_id, attempt)
-    store.studies.record_job(study_id, job_id)
+    attempt, job_id = claimed
     try:
         launcher.submit_study(study_id, attempt, runner_env(settings), job_id)
     except Exception as e:
-        if not maybe_accepted(e):  # refused: it must not count against max_job_attempts
-            store.studies.unclaim_launch(study_id, previous.ray_job_id if previous else None)
-        raise  # else Ray may have accepted it: the recorded id finds it in the next round
+        has = _ray_has(launcher, job_id)
+        if has:
+            log.warning("study %s: submit of %s raised (%s) but Ray has it", study_id, job_id, e)
+            return job_id  # accepted; only the answer was lost
+        if has is False:  # refused: the relaunch is not charged as a dead runner
+            _forget(store, study_id, attempt, job_id)
+        raise
     return job_id
+
+
+def _ray_has(launcher: JobLauncher, job_id: str) -> bool | None:
+    """Whether Ray has the job `job_id`: True, False (it answered "no such job" each of
+    LOOKUP_TRIES times), or None (it did not answer)."""
+    for i in range(LOOKUP_TRIES):
+        if i:
+            time.sleep(LOOKUP_PAUSE_S)
+        try:
+            if launcher.lookup(job_id) is not None:
+                return True
+        except Exception as e:
+            log.warning("asking Ray for job %s: %s", job_id, e)
+            return None
+    return False
+
+
+def _forget(store: Store, study_id: int, attempt: int, job_id: str) -> None:
+    with contextlib.suppress(Exception):  # the reconciler judges the recorded id instead
+        store.studies.forget_unsubmitted(study_id, attempt, job_id)
 
 
 def maybe_accepted(e: BaseException) -> bool:
     """Whether the job server may have accepted a submission that raised `e`: the request
     went out and no answer came back (a read timeout), as opposed to a refusal or a
-    connection that never opened."""
+    connection that never opened. (The standbys' rule, service/control/standby.py: a
+    standby whose row is dropped exits by itself; a study's launch asks Ray instead.)"""
     import requests
 
     if isinstance(e, requests.exceptions.ConnectTimeout | requests.exceptions.ConnectionError):

@@ -319,6 +319,21 @@ class JobLauncher:
             return None
         return out or None
 
+    def lookup(self, job_id: str) -> str | None:
+        """Ask Ray for one job by its submission id: its JobStatus name, or None when Ray
+        answers that it has no such job (HTTP 404).
+
+        Raises:
+            Exception: Ray did not answer (a connection error, a timeout, another status):
+                whether it has the job is unknown.
+        """
+        r = self._client._do_request("GET", f"/api/jobs/{job_id}")
+        if r.status_code == 404:
+            return None
+        if r.status_code != 200:
+            raise RuntimeError(f"job server answered {r.status_code} for {job_id}: {r.text}")
+        return str(r.json()["status"])
+
     def list_jobs(self) -> list[Any]:
         return list(self._client.list_jobs())
 

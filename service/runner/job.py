@@ -30,6 +30,7 @@ from service.config import Settings, get_settings
 from service.runner.loop import StudyRunner
 from service.runner.standby import Warm, is_standby, stand_by
 from service.store import (
+    EXIT_DATABASE_AWAY,
     Fence,
     Store,
     StudyStatus,
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["EXIT_DATABASE_AWAY", "SUPERSEDED_EXIT", "is_weather", "main", "run_study"]
 
 log = logging.getLogger("qkscope.runner")
-EXIT_DATABASE_AWAY = 75  # EX_TEMPFAIL: try again later (the reconciler does)
 SUPERSEDED_EXIT = 3  # the job's exit status when a newer attempt of its study took over
 
 

@@ -17,7 +17,8 @@ Contract (tests/service/store/test_contract.py runs it on SQLite and PostgreSQL)
   `last_step` never goes backwards; a retried insert of a queued trial returns the row the
   lost try committed.
 - **Launches are claimed.** A runner-job attempt is claimed against the attempts the caller
-  saw, and its job id is recorded before the job is submitted.
+  saw, and its job id is recorded in the same transaction, before the job is submitted.
+  Attempt numbers only go up: none is handed out twice.
 - **Standbys are claimed once.** A POST turns at most one standby row (a reserved id whose
   runner job waits, service/store/standbys.py) into its study, and only a row still in
   STANDBY whose runner's heartbeat is fresh; a standby row is never LIVE and is deleted only
@@ -63,6 +64,7 @@ from service.store.optuna import (
     tell_outcome,
 )
 from service.store.session import (
+    EXIT_DATABASE_AWAY,
     DatabaseUnavailable,
     ReadOnlyError,
     database_away,
@@ -85,10 +87,12 @@ from service.store.standbys import (
 from service.store.standbys import (
     STALE_S as STANDBY_STALE_S,
 )
-from service.store.studies import TERMINAL, StudyRows
+from service.store.studies import TERMINAL, Charge, StudyRows
 from service.store.trials import MetricRow, ResultRow, StartRow, TrialRows
 
 __all__ = [
+    "EXIT_DATABASE_AWAY",
+    "Charge",
     "CURRENT_PENALTY_VERSION",
     "NO_INDEX",
     "OPEN_TRIAL_STATES",

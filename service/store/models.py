@@ -102,7 +102,14 @@ class Study(Base):
     n_trials: Mapped[int] = mapped_column(Integer)
     optuna_study_name: Mapped[str] = mapped_column(String(64))
     ray_job_id: Mapped[str | None] = mapped_column(String(128), default=None)
+    # The runner-job attempt last claimed: the fence token (service/store/fence.py). Only
+    # ever goes up: an attempt number is handed out once.
     job_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Runner jobs that died of the study or the cluster (bounded by max_job_attempts), and
+    # relaunches after weather (the database away; a submission Ray never took), bounded by
+    # max_weather_relaunches: charged by the reconciler when it relaunches.
+    job_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    weather_relaunches: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None, unique=True)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     # Why trials are not starting (e.g. no node can provide the resources); None when they do.

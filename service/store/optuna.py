@@ -23,7 +23,12 @@ from sqlalchemy import event
 from sqlalchemy.exc import SQLAlchemyError
 
 from service.store.models import TrialState
-from service.store.session import normalize_url, pg_connect_args, sqlite_pragmas
+from service.store.session import (
+    discard_weather_connections,
+    normalize_url,
+    pg_connect_args,
+    sqlite_pragmas,
+)
 
 if TYPE_CHECKING:
     from service.spec import StudySpec
@@ -68,6 +73,8 @@ def optuna_storage(url: str, *, create_tables: bool = True) -> optuna.storages.R
     if url.startswith("sqlite"):  # Optuna's engine gets our WAL and busy timeout too
         event.listen(storage.engine, "connect", sqlite_pragmas)
         storage.engine.dispose()  # reconnect with them
+    else:  # and ours: a read-only server's connections are discarded, not pooled
+        event.listen(storage.engine, "handle_error", discard_weather_connections)
     return storage
 
 

@@ -15,9 +15,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 __all__ = [
     "DEFAULT_OUTAGE_S",
+    "EXIT_DATABASE_AWAY",
     "DatabaseUnavailable",
     "ReadOnlyError",
     "database_away",
+    "discard_weather_connections",
     "make_engine",
     "make_reader",
     "make_sessionmaker",
@@ -57,13 +59,27 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
         event.listen(engine, "connect", sqlite_pragmas)
         return engine
-    return create_engine(
+    engine = create_engine(
         normalize_url(url),
         pool_pre_ping=True,
         pool_size=10,
         max_overflow=20,
         connect_args=pg_connect_args(url),
     )
+    event.listen(engine, "handle_error", discard_weather_connections)
+    return engine
+
+
+def discard_weather_connections(ctx: Any) -> None:
+    """A statement that failed with a SQLSTATE that says the server is the wrong one for us
+    now (`_WEATHER_SQLSTATES`: a read-only server after a failover, one shutting down)
+    makes SQLAlchemy treat it as a disconnect: the connection is discarded, not returned to
+    the pool, and the pool's other connections (opened to the same server) are invalidated
+    with it. `pool_pre_ping` cannot find these: a read-only server answers its ping. The
+    error then reads as `connection_invalidated`, which `database_away` and `with_retry`
+    take for weather."""
+    if _sqlstate(ctx.original_exception) in _WEATHER_SQLSTATES:
+        ctx.is_disconnect = True
 
 
 def pg_connect_args(url: str) -> dict[str, Any]:
@@ -109,6 +125,12 @@ _OUTAGE_S: ContextVar[float] = ContextVar("qkscope_db_outage_s", default=DEFAULT
 # Other errors that may pass (a deadlock, an unknown OperationalError that may be a bug, e.g.
 # SQLite's "no such table"): retried this long at most, as before.
 TRANSIENT_S = 24.0
+
+
+# A study runner's exit status when the database stayed away past its outage window
+# (EX_TEMPFAIL: try again later). The reconciler reads it from Ray's job list: such a death
+# is weather, not charged to max_job_attempts (service/control/reconciler.py).
+EXIT_DATABASE_AWAY = 75
 
 
 class DatabaseUnavailable(Exception):
@@ -207,14 +229,29 @@ def _connection_error(e: BaseException) -> BaseException | None:
             return err
         if isinstance(err, OperationalError | InterfaceError):
             return err.orig if err.orig is not None else err
+        if isinstance(err, DBAPIError) and (
+            err.connection_invalidated or _sqlstate(err.orig) in _AWAY_SQLSTATES
+        ):
+            return err.orig if err.orig is not None else err  # e.g. 25006: read-only
         if isinstance(err, PendingRollbackError):
             return err
     return None
 
 
 # PostgreSQL SQLSTATEs that mean "the server is not there for us now": connection exceptions
-# (class 08), the server shutting down or starting up (57P01-57P03), too many connections.
-_AWAY_SQLSTATES = ("57P01", "57P02", "57P03", "53300")
+# (class 08), the server shutting down or starting up (57P01-57P03), too many connections,
+# and a server that is read-only (25006: a standby after a failover, or a primary demoted).
+_AWAY_SQLSTATES = ("57P01", "57P02", "57P03", "53300", "25006")
+# Those whose connection is discarded at once (`discard_weather_connections`): it is tied to
+# a server that is going away or is read-only, and a later use would fail the same way.
+_WEATHER_SQLSTATES = ("25006", "57P01", "57P02", "57P03")
+
+
+def _sqlstate(e: BaseException | None) -> str | None:
+    state = getattr(e, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
 # SQLite messages that mean the file cannot be used now: another process holds its lock past
 # the busy timeout, or it cannot be reached (a lost mount, a failing disk).
 _SQLITE_AWAY = (
@@ -229,9 +266,9 @@ def database_away(e: BaseException) -> bool:
     """Whether `e` (or an error behind it) says the database is away, not that the work is
     wrong: a refused or dropped connection (SQLAlchemy's `connection_invalidated`, psycopg's
     errors without a SQLSTATE or of class 08, a server shutting down or starting up), a
-    session invalidated by one, an SQLite file locked past its busy timeout or that cannot
-    be opened. A deadlock, a serialization failure or a bug (SQLite's "no such table") is
-    not."""
+    session invalidated by one, a read-only server (SQLSTATE 25006: a failover), an SQLite
+    file locked past its busy timeout or that cannot be opened. A deadlock, a serialization
+    failure or a bug (SQLite's "no such table") is not."""
     for err in _chain(e):
         if isinstance(err, DatabaseUnavailable):
             return True
@@ -241,6 +278,8 @@ def database_away(e: BaseException) -> bool:
             return True
         if isinstance(err, PendingRollbackError) and "invalid transaction" in str(err).lower():
             return True
+        if isinstance(err, DBAPIError) and _sqlstate(err.orig) in _AWAY_SQLSTATES:
+            return True  # a read-only server raises InternalError, not OperationalError
         if isinstance(err, OperationalError) and err.orig is not None:
             orig = err.orig
             state = getattr(orig, "sqlstate", None)

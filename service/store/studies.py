@@ -2,14 +2,16 @@
 
 Every write is one transaction and conditional on the state it changes: a terminal status
 is never left (an update only matches a live row), a launch is claimed only if nobody
-launched the study since the caller looked, and a job id is recorded before the job is
-submitted (so a submission whose answer was lost is never submitted a second time).
+launched the study since the caller looked, and its job id is recorded in the same
+transaction, before the job is submitted (so a submission whose answer was lost is found by
+that id, never submitted a second time). Attempt numbers only go up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -42,13 +44,21 @@ from service.store.rows import Rows
 from service.store.session import session_scope
 from service.store.standbys import claim as claim_standby
 
-__all__ = ["LIVE", "RAY_UNREACHABLE", "TERMINAL", "StudyRows"]
+__all__ = ["LIVE", "RAY_UNREACHABLE", "TERMINAL", "Charge", "StudyRows"]
 
 LIVE = (StudyStatus.PENDING, StudyStatus.RUNNING)
 TERMINAL = (StudyStatus.COMPLETED, StudyStatus.FAILED, StudyStatus.CANCELLED)
 # Starts every waiting_reason written while Ray's job server does not answer, so that the
 # reason is cleared once it answers again without touching the runner's own reasons.
 RAY_UNREACHABLE = "Ray cluster unreachable"
+
+
+class Charge(StrEnum):
+    """What the death of a study's previous runner job is charged to when it is relaunched
+    (`StudyRows.claim_launch`)."""
+
+    FAILURE = "failure"  # the study or the cluster: bounded by max_job_attempts
+    WEATHER = "weather"  # the database away: bounded by max_weather_relaunches
 
 
 # A study's RUNNING trials in Optuna's own tables (`studies`, `trials`: Optuna's schema, read
@@ -232,46 +242,78 @@ class StudyRows(Rows):
 
     # ---- launching -----------------------------------------------------------------------
 
-    def claim_launch(self, study_id: int, seen_attempts: int | None) -> int | None:
-        """Claim the next runner-job attempt of a live study: `job_attempts` + 1, which
-        supersedes every earlier attempt's fence. Run once; unfenced.
+    def claim_launch(
+        self,
+        study_id: int,
+        seen_attempts: int | None,
+        job_id_for: Callable[[int, int], str],
+        charge: Charge | None = None,
+    ) -> tuple[int, str] | None:
+        """Claim the next runner-job attempt of a live study and record its job id, in one
+        transaction: `job_attempts` + 1 (which supersedes every earlier attempt's fence),
+        `ray_job_id` = `job_id_for(study_id, attempt)` (the intent to submit that job: it is
+        recorded before the submission, so a submission whose answer was lost is found by
+        it), and, with `charge`, the death of the previous job counted (`job_failures` or
+        `weather_relaunches`). Attempt numbers only go up: one is never handed out twice.
+        Run once; unfenced.
 
         Returns:
-            The attempt's number, or None when the study ended or (with `seen_attempts`)
+            (attempt, job id), or None when the study ended or (with `seen_attempts`)
             somebody launched it since the caller looked (nothing changed).
         """
         with session_scope(self.sessions) as s:
             claim = update(Study).where(Study.id == study_id, Study.status.in_(LIVE))
             if seen_attempts is not None:
                 claim = claim.where(Study.job_attempts == seen_attempts)
-            claimed = s.execute(claim.values(job_attempts=Study.job_attempts + 1))
+            values: dict[str, Any] = {"job_attempts": Study.job_attempts + 1}
+            if charge == Charge.FAILURE:
+                values["job_failures"] = Study.job_failures + 1
+            elif charge == Charge.WEATHER:
+                values["weather_relaunches"] = Study.weather_relaunches + 1
+            claimed = s.execute(claim.values(**values))
             if claimed.rowcount != 1:  # type: ignore[attr-defined]
-                return None
-            return int(s.scalar(select(Study.job_attempts).where(Study.id == study_id)) or 0)
-
-    def record_job(self, study_id: int, job_id: str | None) -> None:
-        """Record the job id of the attempt about to be submitted (chosen by us, recorded
-        before the submission). Changes the study's `ray_job_id` only. Run once; unfenced."""
-        with session_scope(self.sessions) as s:
+                return None  # nothing changed: the transaction commits no update
+            attempt = int(s.scalar(select(Study.job_attempts).where(Study.id == study_id)) or 0)
+            job_id = job_id_for(study_id, attempt)
             s.execute(update(Study).where(Study.id == study_id).values(ray_job_id=job_id))
+            return attempt, job_id
 
-    def unclaim_launch(self, study_id: int, previous_job: str | None) -> None:
-        """Give back a claimed attempt whose job was certainly not submitted: `job_attempts`
-        - 1 and `ray_job_id` back to `previous_job`. Run once; unfenced."""
+    def forget_unsubmitted(self, study_id: int, attempt: int, job_id: str) -> bool:
+        """Clear the recorded job id of `attempt` after Ray said it has no such job (the
+        submission failed and Ray never took it), so that the relaunch is not charged as a
+        dead runner. The attempt number stays spent (never handed out again): a submission
+        that reaches Ray after all runs as a superseded attempt once the next one is
+        claimed. Changes nothing unless `attempt` is still current with `job_id` recorded.
+        Run once; unfenced.
+
+        Returns:
+            Whether the row changed.
+        """
         with session_scope(self.sessions) as s:
-            s.execute(
+            changed = s.execute(
                 update(Study)
-                .where(Study.id == study_id)
-                .values(job_attempts=Study.job_attempts - 1, ray_job_id=previous_job)
-            )
+                .where(
+                    Study.id == study_id,
+                    Study.job_attempts == attempt,
+                    Study.ray_job_id == job_id,
+                )
+                .values(ray_job_id=None)
+            ).rowcount  # type: ignore[attr-defined]
+        return bool(changed)
 
-    def live(self) -> Sequence[Row[int, str, str | None, datetime, int]]:
-        """(id, status, ray_job_id, created_at, job_attempts) of every live study. Run once;
-        writes nothing."""
+    def live(self) -> Sequence[Row[int, str, str | None, datetime, int, int, int]]:
+        """(id, status, ray_job_id, created_at, job_attempts, job_failures,
+        weather_relaunches) of every live study. Run once; writes nothing."""
         with session_scope(self.sessions) as s:
             return s.execute(
                 select(
-                    Study.id, Study.status, Study.ray_job_id, Study.created_at, Study.job_attempts
+                    Study.id,
+                    Study.status,
+                    Study.ray_job_id,
+                    Study.created_at,
+                    Study.job_attempts,
+                    Study.job_failures,
+                    Study.weather_relaunches,
                 ).where(Study.status.in_(LIVE))
             ).all()
 

@@ -130,6 +130,18 @@ def job_attempts(db_url: str, sid: int) -> int:
         engine.dispose()
 
 
+def job_charges(db_url: str, sid: int) -> tuple[int, int]:
+    """The study's (job_failures, weather_relaunches): its runners' deaths as charged."""
+    engine = make_engine(db_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            row = s.get(Study, sid)
+            assert row is not None
+            return row.job_failures, row.weather_relaunches
+    finally:
+        engine.dispose()
+
+
 def cli_env(home: Path, api_url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QKSCOPE_", "RAY_"))}
     env["QKSCOPE_HOME"] = str(home)
@@ -252,3 +264,79 @@ def check_rejected(c: TestClient, body: Any, ctype: str, label: str = "") -> dic
         assert out["errors"], (label, out)
     out["status"] = r.status_code
     return dict(out)
+
+
+class StandInJob:
+    """One job of `StandInRay`: what Ray's job list gives the reconciler."""
+
+    def __init__(self, submission_id: str, study_id: int, attempt: int) -> None:
+        from ray.job_submission import JobStatus
+
+        self.submission_id, self.study_id, self.attempt = submission_id, study_id, attempt
+        self.status = JobStatus.RUNNING
+        self.driver_exit_code: int | None = None
+        self.end_time: int | None = None  # ms, as Ray's
+
+    def end(self, exit_code: int, ago_s: float = 0.0) -> None:
+        """The runner exits with `exit_code`, `ago_s` seconds ago."""
+        from ray.job_submission import JobStatus
+
+        self.status = JobStatus.SUCCEEDED if exit_code == 0 else JobStatus.FAILED
+        self.driver_exit_code = exit_code
+        self.end_time = int((time.time() - ago_s) * 1000)
+
+
+class StandInRay:
+    """An in-process stand-in for Ray's job server at the one boundary the launch path
+    talks to (`JobLauncher`: submit, lookup, list, stop), so the launch, the store and the
+    reconciler run for real without a cluster. `submit` picks how a submission goes:
+    "ok"; "reset" (Ray takes the job, then the connection is reset before the answer);
+    "refused" (the connection never opens: Ray never sees the job). `lookup_down` makes
+    asking for one job fail (Ray does not answer)."""
+
+    address = "http://stand-in-ray:8265"
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, StandInJob] = {}
+        self.submit = "ok"
+        self.lookup_down = False
+
+    def submit_study(
+        self, study_id: int, attempt: int, env: dict[str, str], job_id: str | None = None
+    ) -> str:
+        import requests
+
+        assert job_id is not None
+        if self.submit == "refused":
+            raise requests.exceptions.ConnectionError("[Errno 111] Connection refused")
+        assert job_id not in self.jobs, f"{job_id} submitted twice"
+        self.jobs[job_id] = StandInJob(job_id, study_id, attempt)
+        if self.submit == "reset":
+            raise requests.exceptions.ConnectionError(
+                "('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))"
+            )
+        return job_id
+
+    def lookup(self, job_id: str) -> str | None:
+        import requests
+
+        if self.lookup_down:
+            raise requests.exceptions.ConnectionError("[Errno 111] Connection refused")
+        job = self.jobs.get(job_id)
+        return None if job is None else str(job.status.value)
+
+    def list_jobs(self) -> list[StandInJob]:
+        return list(self.jobs.values())
+
+    def stop(self, job_id: str) -> bool:
+        if (job := self.jobs.get(job_id)) is not None and job.end_time is None:
+            job.end(-15)
+            return True
+        return False
+
+    def attempts(self, study_id: int) -> list[int]:
+        """The attempts of every job ever submitted for the study, in submission order."""
+        return [j.attempt for j in self.jobs.values() if j.study_id == study_id]
+
+    def running(self, study_id: int) -> list[StandInJob]:
+        return [j for j in self.jobs.values() if j.study_id == study_id and j.end_time is None]

@@ -20,9 +20,15 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.control.ray_cluster import JobLauncher, LocalRayHead
-from service.store import migrate
+from service.store import EXIT_DATABASE_AWAY, migrate
 from tests.service.db_proxy import CuttableProxy
-from tests.service.helpers import assert_untouched, job_attempts, settings_for, snapshot
+from tests.service.helpers import (
+    assert_untouched,
+    job_attempts,
+    job_charges,
+    settings_for,
+    snapshot,
+)
 from tests.service.invariants import check_finished_study, fault_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.postgres]
@@ -40,7 +46,10 @@ def proxy(pg_db_url: str) -> Iterator[CuttableProxy]:
 
 def _api(proxy: CuttableProxy, head: LocalRayHead, home: Path, outage_s: float) -> TestClient:
     """The API with its reconciler (every second), everything through the proxy."""
-    return TestClient(create_app(settings_for(proxy.url, head, home, db_outage_s=outage_s)))
+    settings = settings_for(
+        proxy.url, head, home, db_outage_s=outage_s, weather_relaunch_delay_s=1.0
+    )
+    return TestClient(create_app(settings))
 
 
 def _get(client: TestClient, path: str) -> Any:
@@ -159,6 +168,12 @@ def test_a_cut_longer_than_the_window_leaves_the_study_running_for_a_relaunch(
     # a relaunch (more than one where a loaded head lost a submission's answer: test_faults)
     assert job_attempts(pg_db_url, sid) >= 2
     assert "database unreachable, left RUNNING" in launcher.logs(job_id)
+    # The exit (75, as Ray's job list shows it) was weather: charged to its own bound, never
+    # to max_job_attempts (issue 42 item 2: before, each such exit was a dead runner).
+    exited = next(j for j in launcher.list_jobs() if j.submission_id == job_id)
+    assert exited.driver_exit_code == EXIT_DATABASE_AWAY
+    failures, weather = job_charges(pg_db_url, sid)
+    assert weather >= 1 and failures == 0, (failures, weather)
     trials = check_finished_study(pg_db_url, sid)
     assert {t.state for t in trials} == {"COMPLETE"}
     assert_untouched(before, trials)

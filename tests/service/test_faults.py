@@ -247,8 +247,8 @@ def test_a_submission_still_in_flight_is_not_judged_lost(
         database_url=db_url, ray_address=ray_head.dashboard_url, home=tmp_path, max_job_attempts=1
     )
     row, _ = store.studies.create(StudySpec.model_validate(fault_spec(n_trials=1, steps=20)))
-    assert store.studies.claim_launch(row.id, 0) == 1
-    store.studies.record_job(row.id, f"qkscope-study-{row.id}-a1-inflight")  # not in Ray yet
+    claimed = store.studies.claim_launch(row.id, 0, lambda i, a: f"qkscope-study-{i}-a{a}-inflight")
+    assert claimed == (1, f"qkscope-study-{row.id}-a1-inflight")  # not in Ray yet
     launcher = JobLauncher(ray_head.dashboard_url)
     assert reconcile(store, launcher, settings) == 0
     after = store.studies.get(row.id)
@@ -284,6 +284,9 @@ def test_a_submission_whose_answer_was_lost_is_not_submitted_again(
     while real.status(recorded.ray_job_id) is None and time.monotonic() < deadline:
         time.sleep(0.2)  # Ray accepted it: it shows up under the recorded id
     assert real.status(recorded.ray_job_id) is not None
+    # What the launch asks after a failed submission, as the real job server answers it.
+    assert real.lookup(recorded.ray_job_id) in ("PENDING", "RUNNING", "SUCCEEDED", "FAILED")
+    assert real.lookup(f"qkscope-study-{row.id}-a9-never") is None
     assert reconcile(store, real, settings, grace_s=0) == 0
     mine = [
         j

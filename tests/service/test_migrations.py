@@ -187,3 +187,30 @@ def test_downgrade_to_base_drops_only_our_tables(db_url: str, engine: Engine) ->
     assert load_values(db_url, "survivor") == values
     upgrade(db_url)
     assert tables(engine) >= OURS
+
+
+def test_0006_charges_earlier_relaunches_as_failures(db_url: str, engine: Engine) -> None:
+    """A study's earlier relaunches counted against max_job_attempts under the old rule
+    (`job_attempts`): after the upgrade they are its `job_failures`, so an upgrade gives no
+    study its attempts back."""
+    command.upgrade(alembic_config(db_url), "0005")
+    with engine.begin() as conn:
+        for name, attempts in (("fresh", 0), ("once", 1), ("thrice", 3)):
+            conn.execute(
+                text(
+                    "INSERT INTO qk_study (name, status, spec, n_trials, optuna_study_name,"
+                    " job_attempts, created_at) VALUES (:n, 'RUNNING', '{}', 1, :n, :a,"
+                    " CURRENT_TIMESTAMP)"
+                ),
+                {"n": name, "a": attempts},
+            )
+    upgrade(db_url)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT name, job_attempts, job_failures, weather_relaunches FROM qk_study")
+        ).all()
+    assert sorted(tuple(r) for r in rows) == [
+        ("fresh", 0, 0, 0),
+        ("once", 1, 0, 0),
+        ("thrice", 3, 2, 0),
+    ]

@@ -205,6 +205,7 @@ def test_reconciler_gives_up_after_max_job_attempts(
         doomed = Study(
             name="doomed", status=StudyStatus.RUNNING, spec=fault_spec(1), n_trials=1,
             optuna_study_name="x", ray_job_id="qkscope-study-0-a3-gone", job_attempts=3,
+            job_failures=2,  # two runners died before: the third death is the last allowed
         )  # fmt: skip
         s.add(doomed)
     assert reconcile(Store(sessions), JobLauncher(ray_head.dashboard_url), settings, grace_s=0) == 0

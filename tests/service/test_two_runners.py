@@ -41,15 +41,16 @@ def wait_until(what: str, check: Callable[[], T | None], timeout: float = 300) -
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _launch(
-    store: Store, launcher: JobLauncher, settings: Settings, sid: int, seen: int | None
-) -> str:
-    """Launch an attempt; a job server that has just started may have no agent yet (a
-    refusal, which unclaims the attempt): try again."""
+def _launch(store: Store, launcher: JobLauncher, settings: Settings, sid: int) -> str:
+    """Launch the study's next attempt; a job server that has just started may have no
+    agent yet (a refusal: that attempt stays spent, never handed out again): try again,
+    against the attempts the study has then."""
 
     def attempt() -> str | None:
+        row = store.studies.get(sid)
+        assert row is not None
         try:
-            return launch_study(store, launcher, settings, sid, seen_attempts=seen)
+            return launch_study(store, launcher, settings, sid, seen_attempts=row.job_attempts)
         except RuntimeError as e:
             if "No available agent" not in str(e):
                 raise
@@ -79,7 +80,7 @@ def test_a_second_runner_supersedes_the_first(
     launcher = JobLauncher(ray_head.dashboard_url)
     row, _ = store.studies.create(StudySpec.model_validate(fault_spec(n_trials=2, steps=60)))
     sid = row.id
-    first = _launch(store, launcher, settings, sid, None)
+    first = _launch(store, launcher, settings, sid)
 
     def training() -> Any:
         with store.sessions() as s:
@@ -91,7 +92,7 @@ def test_a_second_runner_supersedes_the_first(
         return True if any(st >= 20 for st in steps) else None
 
     wait_until("runner 1 training", training)
-    second = _launch(store, launcher, settings, sid, 1)
+    second = _launch(store, launcher, settings, sid)
     assert second != first  # attempt 2, while runner 1 runs
 
     client = launcher._client
@@ -120,4 +121,5 @@ def test_a_second_runner_supersedes_the_first(
         ) from None
     check_finished_study(db_url, sid)  # every planned trial once, metric rows once, Optuna
     got = store.studies.get(sid)
-    assert got is not None and got.ray_job_id == second and got.job_attempts == 2
+    assert got is not None and got.ray_job_id == second
+    assert f"-a{got.job_attempts}-" in second and f"-a{got.job_attempts}-" not in first

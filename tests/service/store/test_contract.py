@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.control.cancel import cancel_study
 from service.runner.search import Search
 from service.spec import StudySpec
-from service.store import Store
+from service.store import Charge, Store
 from service.store.models import Metric, Study, StudyStatus, Trial, TrialState
 from service.store.optuna import optuna_storage, optuna_study_name, stored_outcome
 from service.store.session import (
@@ -228,16 +228,59 @@ def test_writing_the_same_starts_again_counts_nothing(store: Store) -> None:
 # ---- launches are claimed -------------------------------------------------------------------
 
 
-def test_a_launch_is_claimed_against_what_the_caller_saw(store: Store) -> None:
-    sid = _study(store)
-    assert store.studies.claim_launch(sid, seen_attempts=0) == 1
-    assert store.studies.claim_launch(sid, seen_attempts=0) is None  # somebody launched it
-    store.studies.record_job(sid, "job-a1")
-    store.studies.unclaim_launch(sid, None)
+def _ids(study_id: int, attempt: int) -> str:
+    return f"job-{study_id}-a{attempt}"
+
+
+def _launch_state(store: Store, sid: int) -> tuple[int, str | None, int, int]:
     row = store.studies.get(sid)
-    assert row is not None and row.job_attempts == 0 and row.ray_job_id is None
+    assert row is not None
+    return row.job_attempts, row.ray_job_id, row.job_failures, row.weather_relaunches
+
+
+def test_a_launch_is_claimed_against_what_the_caller_saw(store: Store) -> None:
+    """The claim and its job id are one write; attempt numbers never go down (issue 42
+    item 1: `unclaim_launch` decremented them, so the next launch reused attempt n and the
+    fence admitted two runners)."""
+    sid = _study(store)
+    assert store.studies.claim_launch(sid, 0, _ids) == (1, f"job-{sid}-a1")
+    assert _launch_state(store, sid) == (1, f"job-{sid}-a1", 0, 0)
+    assert store.studies.claim_launch(sid, 0, _ids) is None  # somebody launched it
+    assert not hasattr(store.studies, "unclaim_launch")  # no way to hand attempt 1 out again
+    # Ray answered that it never took the job: the id goes, the attempt stays spent.
+    assert not store.studies.forget_unsubmitted(sid, 1, "another-job")
+    assert store.studies.forget_unsubmitted(sid, 1, f"job-{sid}-a1")
+    assert _launch_state(store, sid) == (1, None, 0, 0)
+    assert store.studies.claim_launch(sid, 1, _ids) == (2, f"job-{sid}-a2")  # never 1 again
+    assert not store.studies.forget_unsubmitted(sid, 1, f"job-{sid}-a1")  # a stale attempt
     store.studies.cancel(sid)
-    assert store.studies.claim_launch(sid, seen_attempts=None) is None  # ended: no launch
+    assert store.studies.claim_launch(sid, None, _ids) is None  # ended: no launch
+    assert _launch_state(store, sid) == (2, f"job-{sid}-a2", 0, 0)
+
+
+def test_a_relaunch_charges_the_dead_job_in_its_claim(store: Store) -> None:
+    sid = _study(store)
+    store.studies.claim_launch(sid, 0, _ids)
+    assert store.studies.claim_launch(sid, 1, _ids, Charge.FAILURE) == (2, f"job-{sid}-a2")
+    assert store.studies.claim_launch(sid, 2, _ids, Charge.WEATHER) == (3, f"job-{sid}-a3")
+    assert store.studies.claim_launch(sid, 3, _ids, Charge.WEATHER) == (4, f"job-{sid}-a4")
+    assert store.studies.claim_launch(sid, 3, _ids, Charge.FAILURE) is None  # stale: no charge
+    assert _launch_state(store, sid) == (4, f"job-{sid}-a4", 1, 2)
+
+
+def test_a_claim_whose_job_id_is_not_recorded_is_not_claimed(store: Store) -> None:
+    """Claim and job record are one transaction: before, `claim_launch` committed and a
+    failing `record_job` left an attempt spent with no job (job_attempts 1 -> 5 in a
+    read-only failover with no runner started)."""
+    sid = _study(store)
+
+    def broken(study_id: int, attempt: int) -> str:
+        raise RuntimeError("the record fails after the claim")
+
+    with pytest.raises(RuntimeError, match="record fails"):
+        store.studies.claim_launch(sid, 0, broken)
+    assert _launch_state(store, sid) == (0, None, 0, 0)
+    assert store.studies.claim_launch(sid, 0, _ids) == (1, f"job-{sid}-a1")
 
 
 def test_an_idempotency_key_gives_one_study(store: Store) -> None:

@@ -20,6 +20,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
+from service.control.ray_cluster import job_id_for
 from service.runner.job import run_study
 from service.runner.loop import StudyRunner
 from service.runner.records import Status
@@ -56,15 +57,15 @@ class Two:
         api = Store(sessions)
         row, _ = api.studies.create(SPEC)
         self.sid = row.id
-        first = api.studies.claim_launch(self.sid, None)
+        first, _ = api.studies.claim_launch(self.sid, None, job_id_for) or (0, "")
         assert first == 1
         self.old = Store(sessions, Fence(self.sid, first))
         self.old.studies.set_status(self.sid, StudyStatus.RUNNING)
         self.row = self.old.trials.insert_queued(self.sid, 0, {"seed": 0}, 0)
         self.old.trials.record_starts({self.row: StartRow("node-a", 1, time.time())})
         self.old.trials.store_reports([(self.row, 5, "val_loss", None, None, 2.0)])
-        second = api.studies.claim_launch(self.sid, first)  # the reconciler relaunched it
-        assert second == 2
+        second, _ = api.studies.claim_launch(self.sid, first, job_id_for) or (0, "")
+        assert second == 2  # the reconciler relaunched it
         self.new = Store(sessions, Fence(self.sid, second))
 
     def snapshot(self) -> tuple[Any, ...]:
@@ -171,10 +172,14 @@ def _optuna_states(db_url: str, sid: int) -> list[str]:
         storage.engine.dispose()
 
 
+def _attempt(claimed: tuple[int, str] | None) -> int | None:
+    return None if claimed is None else claimed[0]
+
+
 def _study(db_url: str) -> tuple[Store, int]:
     api = Store(make_sessionmaker(make_engine(db_url)))
     row, _ = api.studies.create(SPEC)
-    assert api.studies.claim_launch(row.id, None) == 1
+    assert _attempt(api.studies.claim_launch(row.id, None, job_id_for)) == 1
     return api, row.id
 
 
@@ -197,7 +202,7 @@ def test_a_stale_runner_tells_optuna_nothing(db_url: str, tmp_path: Path) -> Non
             Stopped("w", done.number, "x", summary, "node", 0.0, 1.0, 0),
         )
         assert _optuna_states(db_url, sid) == ["RUNNING", "RUNNING"]
-        assert api.studies.claim_launch(sid, 1) == 2  # attempt 2 takes over
+        assert _attempt(api.studies.claim_launch(sid, 1, job_id_for)) == 2  # attempt 2 takes over
         with pytest.raises(Superseded):
             runner._post_process(Batch(), [])
         with pytest.raises(Superseded):
@@ -220,7 +225,7 @@ def test_a_superseded_runner_exits_without_failing_the_study(db_url: str, tmp_pa
     not the study). No Ray: it never gets as far as starting a worker."""
     migrate.upgrade(db_url)
     api, sid = _study(db_url)
-    assert api.studies.claim_launch(sid, 1) == 2
+    assert _attempt(api.studies.claim_launch(sid, 1, job_id_for)) == 2
     settings = Settings(database_url=db_url, home=tmp_path, checkpoint_dir=str(tmp_path / "c"))
     with pytest.raises(Superseded):
         run_study(sid, settings, attempt=1)
