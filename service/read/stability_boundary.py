@@ -46,6 +46,7 @@ from sqlalchemy.orm import Session
 from service.errors import InvalidField
 from service.read.intervals import t_interval
 from service.read.summaries import bounded_summary, decode_summary
+from service.spec.model import WIDTH_PARAMS
 from service.store import NO_INDEX, Metric, Study, Trial, TrialState
 
 __all__ = [
@@ -69,7 +70,6 @@ __all__ = [
 
 LR_PARAM = "optim.lr"
 SEED_PARAM = "seed"
-WIDTH_PARAMS = ("model.d_model", "model.hf.config.hidden_size")
 DEFAULT_TAU = 0.5
 CONFIDENCE = 0.95
 BAND_POINTS = 16  # points of a fit's band, equally spaced in log width
