@@ -26,7 +26,9 @@ For one group of trials that differ only in learning rate `eta`, width `w` (by d
 
 Nothing is filled in: an undefined value is None with the reason beside it. Points are
 computed from finished trials only; `unfinished` says how many trials of that width and
-seed have no result yet, so a running study's numbers can still move.
+seed are still queued or running, so a running study's numbers can still move. A trial that
+failed, was cancelled, or was pruned without diverging or violating an instability
+constraint has no final loss: a missing point, left out.
 
 Read-only, and bounded: one row per trial with its bounded summary
 (service/read/summaries.py, never the per-evaluation lists) and the step-0 `val_loss` rows.
@@ -47,7 +49,7 @@ from service.errors import InvalidField
 from service.read.intervals import t_interval
 from service.read.summaries import bounded_summary, decode_summary
 from service.spec.model import WIDTH_PARAMS
-from service.store import NO_INDEX, Metric, Study, Trial, TrialState
+from service.store import NO_INDEX, OPEN_TRIAL_STATES, Metric, Study, Trial, TrialState
 
 __all__ = [
     "CONFIDENCE",
@@ -600,9 +602,11 @@ def study_stability_boundary(
             or not _finite(loss)
         )
         violated = ended and _violated(study, inst, summary)
-        if not ended or (state == TrialState.PRUNED and not diverged and not violated):
-            unfinished[key][(float(w), int(seed))] += 1  # no final loss: a missing point
+        if state in OPEN_TRIAL_STATES:
+            unfinished[key][(w, int(seed))] += 1  # no result yet: the point may still move
             continue
+        if not ended or (state == TrialState.PRUNED and not diverged and not violated):
+            continue  # failed, cancelled, or stopped early without a final loss: missing
         l0: Any = init.get(tid)
         if not _finite(l0):
             l0 = s.get("init_val_loss")

@@ -82,7 +82,11 @@ def _typed(spec: StudySpec, params: dict[str, Any]) -> dict[str, Any]:
             v = p.choices[0]
         else:
             v = (p.grid or [p.low])[0]
-        out[path] = int(round(v)) if isinstance(p, IntParam) else v
+        if isinstance(p, IntParam):
+            v = int(round(v))
+        elif p.type == "categorical":  # the choice itself (16, not the answer's 16.0)
+            v = next((c for c in p.choices if c == v), v)
+        out[path] = v
     return out
 
 
@@ -110,6 +114,10 @@ class Ladder:
     def changed(self) -> None:
         """A trial of the study got its result: the brackets may have moved."""
         self._stale = True
+
+    def pending(self) -> bool:
+        """Whether a proposal waits to be asked (or a re-read may give one)."""
+        return bool(self._queue) or self._stale
 
     def next(self) -> dict[str, Any] | None:
         if not self._queue and self._stale:

@@ -158,7 +158,12 @@ class StudyRunner:
             self._ask()
             asked += 1
             self.scheduler.schedule()
-        self.scheduler.close_idle(asked < self.spec.budget.n_trials and not out_of_time)
+        more = asked < self.spec.budget.n_trials and not out_of_time
+        if more and self.ladder is not None and asked >= self.ladder.grid:
+            # past the grid a ladder asks only what a finished trial makes it propose: with
+            # nothing proposed and nothing in flight, it is done (the workers may go)
+            more = self.ladder.pending() or bool(self.scheduler.records)
+        self.scheduler.close_idle(more)
         return asked
 
     def _post_process(self, batch: Batch, ended: list[Ended], *, force: bool = False) -> None:

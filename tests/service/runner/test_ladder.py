@@ -185,3 +185,12 @@ def test_a_bad_ladder_is_refused_at_post_naming_the_field(client: TestClient) ->
     r = client.post("/v1/studies", json=ok)
     assert r.status_code == 201, r.text
     assert r.json()["spec"]["stability"]["bisect_factor"] == pytest.approx(math.sqrt(2))
+
+
+def test_a_categorical_width_is_proposed_as_its_choice() -> None:
+    body = boundary_spec("ladder-cat", stability={})
+    body["search_space"]["model.d_model"] = {"type": "categorical", "choices": WIDTHS}
+    spec = parse_spec(json.dumps(body).encode(), "json")
+    props = proposals(spec, answer(spec, grid_cells()))
+    assert props and all(type(p["model.d_model"]) is int for p in props)
+    assert {p["model.d_model"] for p in props} == set(WIDTHS)
