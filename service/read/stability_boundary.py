@@ -421,6 +421,8 @@ def _width_param(study: Study, width: str | None) -> str:
     stated = (study.spec.get("stability") or {}).get("width")
     if width is None:
         width = stated or next((w for w in WIDTH_PARAMS if w in space), None)
+    if width in (LR_PARAM, SEED_PARAM):
+        raise InvalidField("width", f"{width} cannot be the width: the boundary runs over it")
     if width is None or width not in space:
         raise InvalidField(
             "width",

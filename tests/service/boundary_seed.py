@@ -75,7 +75,7 @@ def bisect_lr() -> float:
 
 def write_trial(
     store: Store, sid: int, number: int, norm: str, width: int, seed: int, eta: float,
-    state: str | None,
+    state: str | None, extra: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
     """What the runner writes for one trial (`state` None: left RUNNING)."""
     params = {"optim.lr": eta, "model.d_model": width, "model.qk_norm": norm, "seed": seed}
@@ -97,6 +97,7 @@ def write_trial(
         "eval_steps": [0, 50, 100],  # per-evaluation lists the read must not need
         "val_losses": [l0, l0, final],  # JSON null where it diverged, as the runner stores it
         **({"diverged_at_step": 50} if diverged else {}),
+        **(extra or {}),
     }
     row = ResultRow(
         state="DIVERGED" if diverged else state,  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from how the made-up trials were generated), then through GET
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -313,3 +314,44 @@ def test_bad_requests_name_the_field(client: TestClient, seeded: int) -> None:
     no_init["base"] = {**no_init["base"], "eval_at_init": False}
     err(get(client, create_via_api(client, no_init)), "base.eval_at_init", "step-0")
     assert get(client, 999_999).status_code == 404
+
+
+def test_an_instability_constraint_makes_a_trial_unstable(
+    client: TestClient, engine: Engine
+) -> None:
+    """A study's instability constraint (stability.instability_constraints): a trial whose
+    summary violates it is unstable though its loss is fine, a PRUNED one (stopped by it)
+    included; a trial that FAILED is a missing point, not an unfinished one."""
+    from service.spec import parse_spec
+    from service.store import Store
+    from service.store.session import make_sessionmaker
+    from tests.service.boundary_seed import write_trial
+
+    body = boundary_spec(
+        "constrained",
+        stability={"instability_constraints": ["max_attn_logit_ever"], "bisect_factor": None},
+        constraints=[{"metric": "max_attn_logit_ever", "op": "<=", "value": 1e4}],
+    )
+    store = Store(make_sessionmaker(engine))
+    study, _ = store.studies.create(parse_spec(json.dumps(body).encode(), "json"))
+    sid = int(study.id)
+    n = 0
+    for w in (32, 64):
+        for eta in B_GRID:
+            # logits blow past the bound from lr 0.03 at width 32, 0.1 at 64 (losses fine)
+            logit = 1e5 if eta >= (0.03 if w == 32 else 0.1) else 10.0
+            state = "PRUNED" if (w, eta) == (64, 0.1) else "COMPLETE"
+            write_trial(store, sid, n, "none", w, 0, eta, state,
+                        extra={"max_attn_logit_ever": logit})  # fmt: skip
+            n += 1
+    write_trial(store, sid, n, "none", 64, 0, 0.05, "FAILED")
+    r = get(client, sid, group_by="model.qk_norm")
+    assert r.status_code == 200, r.text
+    body_out = r.json()
+    assert body_out["instability_constraints"] == ["max_attn_logit_ever"]
+    (g,) = body_out["groups"]
+    p32, p64 = sorted(g["points"], key=lambda p: p["width"])
+    assert (p32["eta_s"], p32["eta_u"]) == pytest.approx((0.01, 0.03))
+    assert (p64["eta_s"], p64["eta_u"]) == pytest.approx((0.03, 0.1))
+    assert 0.1 in p64["unstable"] and p64["unfinished"] == 0  # PRUNED counted; FAILED missing
+    assert get(client, sid, width="optim.lr").status_code == 422
