@@ -355,3 +355,43 @@ def test_an_instability_constraint_makes_a_trial_unstable(
     assert (p64["eta_s"], p64["eta_u"]) == pytest.approx((0.03, 0.1))
     assert 0.1 in p64["unstable"] and p64["unfinished"] == 0  # PRUNED counted; FAILED missing
     assert get(client, sid, width="optim.lr").status_code == 422
+
+
+def test_the_read_is_bounded_however_long_the_trials(client: TestClient, engine: Engine) -> None:
+    """60 trials of 10,000 evaluations each (their summaries' per-evaluation lists about
+    250 KiB of JSON apiece): the route's Python memory stays far below what loading them
+    would take, and the answer is the same as for short trials."""
+    import tracemalloc
+
+    from service.spec import parse_spec
+    from service.store import Store
+    from service.store.session import make_sessionmaker
+    from tests.service.boundary_seed import write_trial
+
+    evals = 10_000
+    long_lists = {"eval_steps": list(range(evals)), "val_losses": [2.5] * evals}
+    body = boundary_spec("long")
+    body["search_space"]["seed"]["grid"] = list(range(10))
+    body["search_space"]["model.d_model"]["grid"] = [32, 64]
+    body["search_space"]["optim.lr"]["grid"] = [0.01, 0.1, 1.0]
+    store = Store(make_sessionmaker(engine))
+    study, _ = store.studies.create(parse_spec(json.dumps(body).encode(), "json"))
+    sid, n = int(study.id), 0
+    for w in (32, 64):
+        for s in range(10):
+            for eta in (0.01, 0.1, 1.0):
+                write_trial(store, sid, n, "none", w, s, eta, "COMPLETE", extra=long_lists)
+                n += 1
+    get(client, sid)  # warm: imports, the app's first request
+    tracemalloc.start()
+    try:
+        r = get(client, sid)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert r.status_code == 200, r.text
+    assert peak < 24 * 2**20, f"{peak / 2**20:.1f} MiB"  # the 60 rows whole: about 45 MiB
+    (g,) = r.json()["groups"]
+    for p in g["points"]:
+        lo, hi = bracket("none", int(p["width"]), p["seed"], [0.01, 0.1, 1.0])
+        assert (p["eta_s"], p["eta_u"]) == pytest.approx((lo, hi))
