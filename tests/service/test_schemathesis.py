@@ -138,6 +138,7 @@ def seed(engine: Engine) -> int:
                         "regularizer.lambda": 0.001 * (n + 1),
                         "model.norm": ("pre", "post")[n % 2],
                         "optim.lr": (0.001, 0.01)[n % 2],
+                        "model.d_model": (32, 64)[(n // 2) % 2],
                     },
                     value=1.0 + n if done else None,
                     values=[1.0 + n] if done else None,
