@@ -24,6 +24,7 @@ from qkscope.models import (
     MetricPoint,
     MetricSeries,
     Plot,
+    StabilityBoundary,
     Study,
     StudyList,
     Summary,
@@ -291,6 +292,32 @@ class Client:
         params = {"group_by": _listed(group_by)} if group_by else {}
         return LrSensitivity.from_json(
             self._json("GET", f"/v1/studies/{study_id}/lr-sensitivity", params=params)
+        )
+
+    def stability_boundary(
+        self,
+        study_id: int,
+        width: str | None = None,
+        group_by: str | Iterable[str] | None = None,
+        target_width: float | None = None,
+        tau: float | None = None,
+    ) -> StabilityBoundary:
+        """The stability boundary across widths (METRICS.md section 11) per group: per width
+        and seed `eta_max` and `eta_opt`, their power-law fits in width (`b` and the
+        prediction at `target_width`, with t intervals) and the held-out check. `width`: the
+        width parameter (default `model.d_model` / `model.hf.config.hidden_size`); `tau`:
+        the loss rule (default the study's, else 0.5)."""
+        params: dict[str, Any] = {}
+        if width:
+            params["width"] = width
+        if group_by:
+            params["group_by"] = _listed(group_by)
+        if target_width is not None:
+            params["target_width"] = target_width
+        if tau is not None:
+            params["tau"] = tau
+        return StabilityBoundary.from_json(
+            self._json("GET", f"/v1/studies/{study_id}/stability-boundary", params=params)
         )
 
     # --- plots and export -----------------------------------------------------------------

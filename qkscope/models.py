@@ -23,6 +23,8 @@ __all__ = [
     "MetricPoint",
     "MetricSeries",
     "Plot",
+    "StabilityBoundary",
+    "StabilityGroup",
     "Study",
     "StudyList",
     "Summary",
@@ -282,6 +284,57 @@ class LrSensitivity:
             }
             for g in self.groups
         ]
+        return _pandas().DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class StabilityGroup:
+    """One group of a stability-boundary answer (METRICS.md section 11): per width and seed
+    `eta_max` and `eta_opt` (`points`, dicts as the API gives them), the fits of each
+    against width (`eta_max_fit`, `eta_opt_fit`: `b` and the prediction at the target width
+    with their t intervals) and the held-out check (`holdout`, None below three widths)."""
+
+    params: dict[str, Any]
+    widths: list[float]
+    points: list[dict[str, Any]]
+    eta_max_fit: dict[str, Any]
+    eta_opt_fit: dict[str, Any]
+    holdout: dict[str, Any] | None = None
+    repeated: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """`model.qk_norm=layernorm` (`all` when the study has no other parameter)."""
+        return ", ".join(f"{k}={v}" for k, v in self.params.items()) or "all"
+
+
+@dataclass(frozen=True)
+class StabilityBoundary:
+    """The stability boundary across widths of a study, per group (METRICS.md section 11)."""
+
+    study_id: int
+    width: str
+    group_by: list[str]
+    target_width: float
+    tau: float
+    instability_constraints: list[str]
+    confidence: float
+    groups: list[StabilityGroup]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StabilityBoundary:
+        out = _build(cls, data)
+        groups = [_build(StabilityGroup, g) for g in data["groups"]]
+        return dataclasses.replace(out, groups=groups)
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per group, width and seed: eta_max, eta_opt, the bracket and why a value
+        is undefined."""
+        keys = ("width", "seed", "eta_max", "eta_opt", "eta_s", "eta_u", "ratio",
+                "bisection_steps", "reason")  # fmt: skip
+        rows = [{**g.params, **{k: p.get(k) for k in keys}} for g in self.groups for p in g.points]
         return _pandas().DataFrame(rows)
 
 

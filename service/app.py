@@ -13,7 +13,17 @@ import anyio
 from fastapi import Depends, FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from service.api import export, importance, lr_sensitivity, plots, series, studies, trials, ui
+from service.api import (
+    export,
+    importance,
+    lr_sensitivity,
+    plots,
+    series,
+    stability_boundary,
+    studies,
+    trials,
+    ui,
+)
 from service.api.deps import require_token, token_digest
 from service.api.errors import install_error_handlers
 from service.api.ops import install_ops
@@ -28,7 +38,17 @@ from service.ui import mount_ui
 
 __all__ = ["create_app"]
 
-ROUTERS = (studies, trials, plots, export, importance, lr_sensitivity, series, ui)
+ROUTERS = (
+    studies,
+    trials,
+    plots,
+    export,
+    importance,
+    lr_sensitivity,
+    stability_boundary,
+    series,
+    ui,
+)
 
 
 def _lifespan(

@@ -55,7 +55,17 @@ def test_grid_studies_run_their_whole_grid_once(path: Path) -> None:
         elif p.type in ("float", "int"):
             assert p.grid is not None
             size *= len(p.grid)
-    assert spec.budget.n_trials == size
+    if spec.stability is None or spec.stability.bisect_factor is None:
+        assert spec.budget.n_trials == size
+        return
+    # a width ladder: the grid, then at most the bisection trials a grid bracket needs to
+    # reach the factor, for each cell (width x seed x the other searched values)
+    lr = spec.search_space["optim.lr"]
+    assert lr.type == "float" and lr.grid is not None
+    grid = sorted(lr.grid)
+    widest = max(b / a for a, b in zip(grid, grid[1:], strict=False))
+    steps = math.ceil(math.log2(math.log(widest) / math.log(spec.stability.bisect_factor)))
+    assert spec.budget.n_trials == size + (size // len(grid)) * steps
 
 
 def _spec(name: str) -> StudySpec:
@@ -231,6 +241,8 @@ def _reduced(config: TrialConfig) -> TrialConfig:
             "n_heads": heads,
             "d_model": 16,
             "d_ff": 32,
+            "d_ff_ratio": None,  # the shapes are fixed here: no width rule
+            "head_dim": None,
         }
     )
     data = config.model_dump(by_alias=True)
@@ -320,3 +332,39 @@ def test_issue_20_reruns_test_what_they_claim_to() -> None:
             update={"resources": spec.resources.model_copy(update={"gpus": 1.0})}
         )
         assert on_gpu.slots == 8
+
+
+LADDER_ARMS = {
+    "none": {},
+    "qk_layernorm": {"model": {"qk_norm": "layernorm"}},
+    "zloss": {"z_loss_coef": 0.0001},
+}
+
+
+def test_stability_boundary_arms_differ_only_in_the_arm() -> None:
+    """The three CPU ladders of reproductions.md section 8: widths 32..256 with the width rule,
+    3 seeds, a grid reaching lr 10, and nothing but the arm's field (and name) differs."""
+    import yaml
+
+    raw = {a: yaml.safe_load((DEFS[0].parent / f"stability_boundary_{a}.yaml").read_text())
+           for a in LADDER_ARMS}  # fmt: skip
+    for arm, over in LADDER_ARMS.items():
+        spec = _spec(f"stability_boundary_{arm}.yaml")
+        assert spec.search_space["model.d_model"].grid == [32, 64, 128, 256]
+        assert spec.base.model.d_ff_ratio and spec.base.model.head_dim == 32
+        assert spec.base.eval_at_init and spec.base.steps >= 1000
+        assert spec.stability is not None and spec.stability.bisect_factor == pytest.approx(
+            math.sqrt(2)
+        )
+        d = {k: v for k, v in raw[arm].items() if k not in ("name", "description")}
+        want = {k: v for k, v in raw["none"].items() if k not in ("name", "description")}
+        want["base"] = {**want["base"], "model": {**want["base"]["model"]}}
+        for k, v in over.items():
+            if isinstance(v, dict):
+                want["base"][k].update(v)
+            else:
+                want["base"][k] = v
+        assert d == want, arm
+    gpu = _spec("gpu_stability_boundary.yaml")
+    assert gpu.base.device == "cuda" and max(gpu.search_space["model.d_model"].grid) >= 1024
+    assert gpu.stability is not None and gpu.base.model.head_dim == 64

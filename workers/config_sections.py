@@ -278,6 +278,22 @@ class ModelConfig(BaseModel):
     n_heads: int = Field(2, ge=1, le=64)
     d_model: int = Field(64, ge=4, le=8192)
     d_ff: int = Field(256, ge=4, le=32768)
+    # A width rule, for a study over d_model (a width ladder, METRICS.md section 11): the
+    # other shapes follow the width instead of staying fixed.
+    d_ff_ratio: float | None = Field(
+        None,
+        gt=0.0,
+        le=64.0,
+        description="Width rule: d_ff = round(d_ff_ratio * d_model) (Llama's SwiGLU: 8/3), "
+        "overriding d_ff; None: d_ff as given.",
+    )
+    head_dim: int | None = Field(
+        None,
+        ge=1,
+        le=8192,
+        description="Width rule: heads of fixed width, n_heads = d_model / head_dim "
+        "(overriding n_heads; d_model must be a multiple); None: n_heads as given.",
+    )
     norm: Literal["pre", "post", "none"] = "pre"
     skip: bool = True  # residual connection around attention (and the MLP unless mlp_skip says)
     mlp: bool = True
@@ -389,6 +405,18 @@ class ModelConfig(BaseModel):
     def mlp_residual(self) -> bool:
         """Whether the MLP sublayer adds its input back (its own skip connection)."""
         return self.skip if self.mlp_skip is None else self.mlp_skip
+
+    @model_validator(mode="after")
+    def _apply_width_rule(self) -> ModelConfig:
+        if self.d_ff_ratio is not None:
+            self.d_ff = max(4, round(self.d_ff_ratio * self.d_model))
+        if self.head_dim is not None:
+            if self.d_model % self.head_dim != 0:
+                raise ValueError(
+                    f"d_model ({self.d_model}) must be a multiple of head_dim ({self.head_dim})"
+                )
+            self.n_heads = self.d_model // self.head_dim
+        return self
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:

@@ -14,7 +14,13 @@ import logging
 import sys
 
 from qkscope import ApiError, Client, QkscopeError
-from service.cli.format import COLUMNS, lr_sensitivity_table, progress_style, results_table
+from service.cli.format import (
+    COLUMNS,
+    lr_sensitivity_table,
+    progress_style,
+    results_table,
+    stability_boundary_table,
+)
 from service.cli.serve import CliError, serve, stop
 from service.cli.serve import is_loopback as _is_loopback  # noqa: F401  (the old name)
 
@@ -26,6 +32,7 @@ __all__ = [
     "PLOT_KINDS",
     "CliError",
     "lr_sensitivity_table",
+    "stability_boundary_table",
     "main",
     "results_table",
     "serve",
@@ -109,6 +116,15 @@ def _client_command(args: argparse.Namespace) -> int:
             else:
                 print(lr_sensitivity_table(res))
             return 0
+        if args.cmd == "stability-boundary":
+            sb = qk.stability_boundary(
+                args.id, args.width, args.group_by, args.target_width, args.tau
+            )
+            if args.json:
+                print(json.dumps(dataclasses.asdict(sb), indent=2))
+            else:
+                print(stability_boundary_table(sb))
+            return 0
         if args.cmd == "export":
             path = qk.export(args.id, args.out, args.format, args.metrics, args.table)
             print(f"wrote {path}", file=sys.stderr)
@@ -174,6 +190,16 @@ def _parser() -> argparse.ArgumentParser:
         help="a parameter whose values make the groups (repeatable; default every searched "
         "parameter but optim.lr and seed)",
     )
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser(
+        "stability-boundary",
+        help="the largest stable learning rate per width and its fit (METRICS.md section 11)",
+    )
+    p.add_argument("id", type=int)
+    p.add_argument("--width", help="the width parameter (default model.d_model)")
+    p.add_argument("--group-by", action="append", metavar="PARAM", help="repeatable")
+    p.add_argument("--target-width", type=float, help="predict here (default the largest)")
+    p.add_argument("--tau", type=float, help="the loss rule (default the study's, else 0.5)")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("export", help="a study's trials (and metric rows) as CSV or Parquet")
     p.add_argument("id", type=int)

@@ -6,9 +6,15 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from qkscope import Client, LrSensitivity, Trial
+from qkscope import Client, LrSensitivity, StabilityBoundary, Trial
 
-__all__ = ["COLUMNS", "lr_sensitivity_table", "progress_style", "results_table"]
+__all__ = [
+    "COLUMNS",
+    "lr_sensitivity_table",
+    "progress_style",
+    "results_table",
+    "stability_boundary_table",
+]
 
 
 def _fmt(v: Any) -> str:
@@ -112,3 +118,57 @@ def lr_sensitivity_table(res: LrSensitivity) -> str:
     for g in res.groups:
         out += [f"{g.label}: seed {o['seed']} left out: {o['reason']}" for o in g.left_out]
     return "\n".join(out)
+
+
+def _iv(lo: Any, hi: Any) -> str:
+    return "-" if lo is None or hi is None else f"[{_fmt(lo)}, {_fmt(hi)}]"
+
+
+def stability_boundary_table(res: StabilityBoundary) -> str:
+    """Per group: the fits of eta_max and eta_opt (b and the prediction at the target width
+    with their intervals) and the held-out ratio; then eta_max and eta_opt per width and
+    seed (`-` undefined, the reason listed below)."""
+    pct = f"{100 * res.confidence:g} %"
+    out = [
+        f"study {res.study_id}: stability boundary (METRICS.md 11) over {res.width}, by "
+        f"{', '.join(res.group_by) or 'nothing (one group)'}, tau {res.tau:g}, target width "
+        f"{res.target_width:g}",
+        "",
+    ]
+    if not res.groups:
+        return "\n".join([*out, "no finished trials yet"])
+    rows = [["group", "value", "b", f"{pct} interval", f"at {res.target_width:g}",
+             f"{pct} interval", "seeds"]]  # fmt: skip
+    for g in res.groups:
+        for name, f in (("eta_max", g.eta_max_fit), ("eta_opt", g.eta_opt_fit)):
+            rows.append(
+                [g.label, name, _fmt(f.get("b")), _iv(f.get("b_low"), f.get("b_high")),
+                 _fmt(f.get("prediction")),
+                 _iv(f.get("prediction_low"), f.get("prediction_high")), str(f.get("n_seeds"))]
+            )  # fmt: skip
+    out += _table(rows)
+    out += ["", "held-out check (refit without the largest width; predicted / measured):"]
+    hrows = [["group", "width", "ratio", f"{pct} interval", "seeds"]]
+    for g in res.groups:
+        h = g.holdout
+        if h is None:
+            hrows.append([g.label, "-", "- (fewer than 3 widths)", "-", "0"])
+            continue
+        ratio_iv = _iv(h.get("ratio_low"), h.get("ratio_high"))
+        hrows.append(
+            [g.label, _fmt(h.get("width")), _fmt(h.get("ratio")), ratio_iv, str(h.get("n_seeds"))]
+        )
+    out += _table(hrows)
+    out += ["", "per width and seed:"]
+    prow = [["group", "width", "seed", "eta_max", "eta_opt", "ratio", "bisect"]]
+    notes = []
+    for g in res.groups:
+        for p in g.points:
+            prow.append(
+                [g.label, _fmt(p["width"]), str(p["seed"]), _fmt(p["eta_max"]),
+                 _fmt(p["eta_opt"]), _fmt(p["ratio"]), str(p["bisection_steps"])]
+            )  # fmt: skip
+            if p.get("reason"):
+                notes.append(f"{g.label}: width {_fmt(p['width'])} seed {p['seed']}: {p['reason']}")
+    out += _table(prow)
+    return "\n".join([*out, *notes])

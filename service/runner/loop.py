@@ -30,6 +30,7 @@ import optuna
 
 from service.config import Settings
 from service.runner import configs
+from service.runner.ladder import Ladder
 from service.runner.pool import Ended, RayPool
 from service.runner.records import TrialRecord
 from service.runner.reports import Reports
@@ -93,6 +94,8 @@ class StudyRunner:
         self.storage = warm.storage if warm else optuna_storage(settings.resolved_database_url())
         self.search = Search(self.spec, study_id, self.storage)
         self.waiting = WaitingReason(self.spec, self.store.studies, study_id)
+        # a width ladder's bisection after the grid (service/runner/ladder.py)
+        self.ladder = Ladder(self.spec, study_id, self.store) if Ladder.wanted(self.spec) else None
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -146,10 +149,21 @@ class StudyRunner:
             and asked < self.spec.budget.n_trials
             and not out_of_time
         ):
+            if self.ladder is not None and asked >= self.ladder.grid:
+                # the grid is asked: only a ladder's bisection trials from here on
+                params = self.ladder.next()
+                if params is None:
+                    break
+                self.search.enqueue(params)
             self._ask()
             asked += 1
             self.scheduler.schedule()
-        self.scheduler.close_idle(asked < self.spec.budget.n_trials and not out_of_time)
+        more = asked < self.spec.budget.n_trials and not out_of_time
+        if more and self.ladder is not None and asked >= self.ladder.grid:
+            # past the grid a ladder asks only what a finished trial makes it propose: with
+            # nothing proposed and nothing in flight, it is done (the workers may go)
+            more = self.ladder.pending() or bool(self.scheduler.records)
+        self.scheduler.close_idle(more)
         return asked
 
     def _post_process(self, batch: Batch, ended: list[Ended], *, force: bool = False) -> None:
@@ -282,6 +296,8 @@ class StudyRunner:
         if self.store.trials.record_result(rec.row_id, row):
             self.search.tell(rec.trial, judged.outcome)
         self.scheduler.done(rec)
+        if self.ladder is not None:
+            self.ladder.changed()
 
     def _fail(self, rec: TrialRecord, reason: str) -> None:
         """Record a failure at once (unless the row ended first) and tell Optuna FAIL."""

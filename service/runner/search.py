@@ -121,6 +121,11 @@ class Search:
 
         return with_retry(ask, "ask")
 
+    def enqueue(self, params: dict[str, Any]) -> None:
+        """Make the next ask a trial with these parameters (Optuna's fixed parameters: the
+        grid sampler leaves such a trial alone), e.g. a ladder's bisection trial."""
+        with_retry(lambda: self.study.enqueue_trial(params), "enqueue")
+
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
         """The trial's parameters (suggesting again returns what was suggested before)."""
         return with_retry(functools.partial(suggest, self.spec, trial), "suggest")

@@ -216,6 +216,26 @@ class Constraint(_Strict):
         return float(bound - x) if self.op == ">=" else float(x - bound)
 
 
+class StabilitySpec(_Strict):
+    """A width ladder (METRICS.md section 11, `GET /v1/studies/{id}/stability-boundary`):
+    the study's grid over `optim.lr` x width x seed, then, per width and seed (and every
+    other searched value), extra trials at `sqrt(eta_s eta_u)` between the largest stable and
+    the smallest unstable learning rate above the best one, until `eta_u / eta_s <=
+    bisect_factor` or the budget is spent (service/runner/ladder.py)."""
+
+    # the parameter that is the width; default model.d_model / model.hf.config.hidden_size
+    width: str | None = Field(None, min_length=1, max_length=200)
+    # a trial is unstable above l* + tau (l_0 - l*) (METRICS.md 11)
+    tau: float = Field(0.5, gt=0.0, le=1.0)
+    # stop bisecting a width and seed once eta_u / eta_s is at most this; null: no bisection
+    bisect_factor: float | None = Field(2**0.5, gt=1.0, le=1000.0)
+    # metrics of the study's `constraints` whose violation counts as an instability
+    instability_constraints: list[SummaryMetric] = Field(default_factory=list, max_length=32)
+
+
+WIDTH_PARAMS = ("model.d_model", "model.hf.config.hidden_size")
+
+
 class Resources(_Strict):
     cpus: float = Field(1.0, gt=0.0, le=256.0)
     gpus: float = Field(0.0, ge=0.0, le=16.0)
@@ -288,6 +308,8 @@ class StudySpec(_Strict):
     # worker's group has ended, the worker takes no new trial until the whole group has
     # ended. It exists to measure what refilling is worth (bench/slots.py --fixed-groups).
     refill: bool = True
+    # A width ladder with bisection (StabilitySpec); null: none.
+    stability: StabilitySpec | None = None
 
     @property
     def slots(self) -> int:
@@ -363,6 +385,8 @@ class StudySpec(_Strict):
             for path, p in self.search_space.items():
                 if isinstance(p, FloatParam | IntParam) and p.grid is None:
                     raise SpecError(f"search_space.{path}", "the grid sampler needs a 'grid' list")
+        if self.stability is not None:
+            self._check_stability(self.stability)
         for path, param in self.search_space.items():
             for value in extremes(param):
                 try:
@@ -370,6 +394,51 @@ class StudySpec(_Strict):
                 except SpecError as e:
                     raise SpecError(f"search_space.{path}", e.message) from None
         return self
+
+    def _check_stability(self, st: StabilitySpec) -> None:
+        """What a ladder needs, each failure naming its field."""
+        space = self.search_space
+        width = st.width or next((w for w in WIDTH_PARAMS if w in space), None)
+        if width is None or width not in space or isinstance(space[width], FixedParam):
+            raise SpecError(
+                "stability.width",
+                f"{width or ' or '.join(WIDTH_PARAMS)} is not searched: a ladder runs over "
+                "widths (name the width parameter in stability.width)",
+            )
+        values = extremes(space[width])
+        if isinstance(space[width], CategoricalParam | FloatParam | IntParam) and (
+            len(set(map(repr, values))) < 2
+        ):
+            raise SpecError("stability.width", f"{width} takes one value: a ladder needs two")
+        lr = space.get("optim.lr")
+        if lr is None or isinstance(lr, FixedParam):
+            raise SpecError("search_space.optim.lr", "a ladder searches optim.lr")
+        if not self.base.eval_at_init and "eval_at_init" not in space:
+            raise SpecError(
+                "base.eval_at_init",
+                "a ladder needs the step-0 validation loss l_0 for its tau rule: set it true",
+            )
+        named = {c.metric for c in self.constraints}
+        for i, m in enumerate(st.instability_constraints):
+            if m not in named:
+                raise SpecError(
+                    f"stability.instability_constraints.{i}",
+                    f"{m} is not the metric of one of the study's constraints "
+                    f"({', '.join(sorted(named)) or 'it has none'})",
+                )
+        if st.bisect_factor is not None:
+            if self.sampler.kind != "grid":
+                raise SpecError(
+                    "stability.bisect_factor",
+                    "bisection runs after the grid: set sampler.kind to grid (or "
+                    "bisect_factor to null)",
+                )
+            if not isinstance(lr, FloatParam) or not lr.log:
+                raise SpecError(
+                    "search_space.optim.lr",
+                    "bisection proposes learning rates between grid points: optim.lr must be "
+                    "a float with log: true and a grid",
+                )
 
     def directions(self) -> list[str]:
         return [o.direction for o in self.objectives]

@@ -302,6 +302,10 @@ def unchecked_config(data: dict[str, Any]) -> TrialConfig:
     top = dict(data)
     for section, path in ((top, "batch_size"), (top, "probe_batch_size")):
         section[path] = int(float(section[path]))
+    if model.get("d_ff_ratio") is not None:  # the width rule, as ModelConfig applies it
+        model["d_ff"] = max(4, round(float(model["d_ff_ratio"]) * float(model["d_model"])))
+    if model.get("head_dim"):
+        model["n_heads"] = max(1, int(float(model["d_model"])) // int(float(model["head_dim"])))
     for key in ("n_layers", "n_heads", "d_model", "d_ff"):
         model[key] = max(1, int(float(model[key])))
     for key in ("seq_len", "vocab_cap", "n_symbols", "n_valid"):

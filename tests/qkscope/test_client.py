@@ -345,3 +345,25 @@ def test_lr_sensitivity(qk: Client, engine: Engine) -> None:
     with pytest.raises(ApiError) as e:
         qk.lr_sensitivity(sid, group_by=["model.nope"])
     assert e.value.status == 422 and "model.nope" in e.value.message
+
+
+def test_stability_boundary(qk: Client, engine: Engine) -> None:
+    import math
+
+    from tests.service.boundary_seed import GRID, bracket, seed_boundary_study
+
+    sid = seed_boundary_study(engine, "client-boundary")
+    res = qk.stability_boundary(sid, target_width=512, tau=0.5)
+    assert res.width == "model.d_model" and res.group_by == ["model.qk_norm"]
+    assert res.target_width == 512.0 and res.tau == 0.5
+    by_label = {g.label: g for g in res.groups}
+    none = by_label["model.qk_norm=none"]
+    (p,) = [p for p in none.points if (p["width"], p["seed"]) == (128.0, 1)]
+    lo, hi = bracket("none", 128, 1, GRID)
+    assert p["eta_max"] == pytest.approx(math.sqrt(lo * hi))
+    assert none.eta_max_fit["target_width"] == 512.0 and none.holdout is not None
+    df = res.to_pandas()
+    assert len(df) == sum(len(g.points) for g in res.groups)
+    with pytest.raises(ApiError) as e:
+        qk.stability_boundary(sid, group_by="model.nope")
+    assert e.value.status == 422 and "model.nope" in e.value.message

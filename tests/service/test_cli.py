@@ -185,3 +185,29 @@ def test_lr_sensitivity_table(
         assert bad.returncode == 1 and "error 422" in bad.stderr and "nope" in bad.stderr
         js = qkscope("lr-sensitivity", str(sid), "--json", env=env, cwd=tmp_path)
         assert js.returncode == 0 and '"groups"' in js.stdout
+
+
+def test_stability_boundary_table(
+    app_settings: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import math
+
+    from tests.service.boundary_seed import GRID, bracket, seed_boundary_study
+
+    sid = seed_boundary_study(engine, "cli-boundary")
+    with live_api(app_settings, monkeypatch) as url:
+        env = cli_env(tmp_path / "home", url)
+        env["QKSCOPE_API_TOKEN"] = TOKEN
+        r = qkscope("stability-boundary", str(sid), "--target-width", "512", env=env,
+                    cwd=tmp_path)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith(f"study {sid}: stability boundary") and "512" in lines[0]
+        lo, hi = bracket("none", 128, 1, GRID)
+        (row,) = [ln for ln in lines if ln.startswith("model.qk_norm=none") and " 128 " in ln
+                  and ln.split()[2] == "1"]  # fmt: skip
+        assert f"{math.sqrt(lo * hi):.4g}" in row
+        assert any("eta_max" in ln and ln.startswith("model.qk_norm=layernorm") for ln in lines)
+        assert any("do not reach" in ln for ln in lines)  # layernorm at width 32
+        bad = qkscope("stability-boundary", str(sid), "--tau", "3", env=env, cwd=tmp_path)
+        assert bad.returncode == 1 and "error 422" in bad.stderr and "tau" in bad.stderr

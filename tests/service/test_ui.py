@@ -883,3 +883,48 @@ def test_the_lr_sensitivity_panel_draws_what_the_route_answers(
     assert p.locator(f"#lrsens-panel-{quick}").count() == 0
     assert not any("lr-sensitivity" in u for u in page.urls if f"/studies/{quick}/" in u)
     assert page.errors == [], page.errors
+
+
+def test_the_stability_boundary_panel_draws_what_the_route_answers(
+    page: Page, site: str, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    """eta_max and eta_opt against width on log-log axes, each group's fit to the target
+    width with its band, one colour per group; the held-out ratio in the note."""
+    from tests.service.boundary_seed import seed_boundary_study
+
+    sid = seed_boundary_study(db[1], "ui-boundary")
+    p = page.open(f"#/studies/{sid}", "boundary")
+    drawn = p.evaluate(
+        f"""() => {{ const o = window.qkCharts.get('boundary-{sid}').getOption();
+        return {{x: o.xAxis[0].type, y: o.yAxis[0].type, series: o.series.map(s => ({{
+            name: s.name, type: s.type, color: s.color, symbol: s.symbol || null,
+            data: s.data.map(d => d.value || d)}}))}}; }}"""
+    )
+    want = api(site, f"/v1/studies/{sid}/stability-boundary")
+    assert (drawn["x"], drawn["y"]) == ("log", "log")
+    colors = []
+    for g in want["groups"]:
+        label = ", ".join(f"{k}={v}" for k, v in g["params"].items())
+        mine = [s for s in drawn["series"] if s["name"].startswith(f"{label}: b ")]
+        dots = [s for s in mine if s["type"] == "scatter"]
+        emax = [[q["width"], q["eta_max"]] for q in g["points"] if q["eta_max"] is not None]
+        eopt = [[q["width"], q["eta_opt"]] for q in g["points"] if q["eta_opt"] is not None]
+        assert [s["data"] for s in dots] == [emax, eopt]
+        (fit, opt) = [s for s in mine if s["type"] == "line"]
+        band = g["eta_max_fit"]["band"]
+        assert fit["data"] == [[b["width"], b["eta"]] for b in band]
+        assert fit["data"][-1][0] == pytest.approx(want["target_width"])
+        assert opt["data"] == [[b["width"], b["eta"]] for b in g["eta_opt_fit"]["band"]]
+        (shade,) = [s for s in mine if s["type"] == "custom"]
+        assert shade["data"] == [[b["width"], b["low"], b["high"]] for b in band]
+        assert len({s["color"] for s in mine}) == 1
+        colors.append(mine[0]["color"])
+    assert len(set(colors)) == len(want["groups"]) == 2
+    note = p.inner_text(f"#boundary-note-{sid}")
+    assert "Held out" in note and "undefined" in note
+    out = os.environ.get("QKSCOPE_UI_SCREENSHOTS")
+    if out:
+        p.locator(f"#boundary-panel-{sid}").screenshot(
+            path=str(Path(out) / "stability_boundary.png")
+        )
+    assert page.errors == [], page.errors

@@ -7,6 +7,7 @@
 import {ApiError, get} from './api.js';
 import {CLASS_COLOR, PALETTE, chartBox, draw, loadECharts} from './charts.js';
 import {badge, duration, every, fill, fmt, h, pct} from './dom.js';
+import {stabilityBoundaryPanel} from './boundary.js';
 import {lrSensitivityPanel} from './lrsens.js';
 
 const POLL_MS = 2500;
@@ -119,6 +120,7 @@ export async function studyPage(ctx, id) {
   const importance = chartBox(`importance-${id}`, 'Parameter importance', {height: 220, note: importanceNote});
   let evaluator = null;  // null: chosen by size (FANOVA_AUTO); 'fanova' once asked for
   const lrsens = lrSensitivityPanel(id, study.spec);  // null unless the study searches optim.lr
+  const boundary = stabilityBoundaryPanel(id, study.spec);  // null unless lr and a width
 
   view.append(
     title,
@@ -130,6 +132,7 @@ export async function studyPage(ctx, id) {
       h('div', {class: 'scroll'}, h('table', {class: 'grid', id: 'trials'}, tableHead, tableBody)),
       pager),
     lrsens?.box,
+    boundary?.box,
     h('div', {class: 'charts'}, history.box, phase.box, pareto?.box, importance.box),
   );
 
@@ -309,7 +312,12 @@ export async function studyPage(ctx, id) {
     await lrsens.load();
     ctx.ready('lrsens');
   };
-  const charts = () => Promise.all([loadHistory(), loadPhase(), loadPareto(), loadLrSensitivity()]);
+  const loadBoundary = async () => {
+    if (!boundary) return;
+    await boundary.load();
+    ctx.ready('boundary');
+  };
+  const charts = () => Promise.all([loadHistory(), loadPhase(), loadPareto(), loadLrSensitivity(), loadBoundary()]);
   await charts();
   ctx.ready('studycharts');
   loadImportance().catch(ctx.onError);
