@@ -18,6 +18,7 @@ __all__ = [
     "BlockPreset",
     "CheckpointConfig",
     "DataFormat",
+    "HFModelSpec",
     "MAX_VOCAB_SIZE",
     "ModelConfig",
     "OptimConfig",
@@ -255,6 +256,39 @@ def _refuse(cls_name: str, loc: tuple[str, ...], value: object, msg: str) -> Val
     return ValidationError.from_exception_data(cls_name, [detail])
 
 
+HFValue = bool | int | float | str
+
+
+class HFModelSpec(BaseModel):
+    """`model.hf`: a Hugging Face `transformers` family from the allow-list, built from a config
+    (workers/models/hf_families.py; docs/bring-your-model.md). Nothing but this data reaches a
+    worker: no code, no download, never `trust_remote_code`."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model_type: str = Field(
+        description="The family: llama, qwen3, olmo2, mistral or gpt2.",
+    )
+    config: dict[str, HFValue] = Field(
+        default_factory=dict,
+        description=(
+            "Keys of the family's transformers config (hidden_size, num_hidden_layers, "
+            "num_attention_heads, num_key_value_heads, rope_theta, ...; GPT-2: n_embd, n_layer, "
+            "n_head, ...); the rest keep transformers' defaults. Each key is searchable as "
+            "model.hf.config.<key>. vocab_size comes from the task."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _known_family_and_keys(self) -> Self:
+        from workers.models.hf_families import hf_config_errors
+
+        for key, msg in hf_config_errors(self.model_type, self.config):
+            loc = ("config", key) if key else ("model_type",)
+            raise _refuse(type(self).__name__, loc, self.config.get(key, self.model_type), msg)
+        return self
+
+
 BlockPreset = Literal["custom", "pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"]
 # (skip, mlp, mlp_skip) of each named variant of Dong et al. 2021. "attn_mlp" is attention + MLP
 # with no residual anywhere; "attn_mlp_skip" is the variant of the authors' code
@@ -274,6 +308,17 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    kind: Literal["builtin", "hf"] = Field(
+        "builtin",
+        description=(
+            "builtin: qkscope's own model (the fields below). hf: a Hugging Face transformers "
+            "family built from `hf` (the builtin fields below are then unused; "
+            "docs/bring-your-model.md)."
+        ),
+    )
+    hf: HFModelSpec | None = Field(
+        None, description="With kind: hf, the family and its config (docs/bring-your-model.md)."
+    )
     n_layers: int = Field(2, ge=1, le=64)
     n_heads: int = Field(2, ge=1, le=64)
     d_model: int = Field(64, ge=4, le=8192)
@@ -389,6 +434,16 @@ class ModelConfig(BaseModel):
     def mlp_residual(self) -> bool:
         """Whether the MLP sublayer adds its input back (its own skip connection)."""
         return self.skip if self.mlp_skip is None else self.mlp_skip
+
+    @model_validator(mode="after")
+    def _kind_has_its_section(self) -> ModelConfig:
+        if self.kind == "hf" and self.hf is None:
+            raise _refuse(type(self).__name__, ("hf",), None, "kind: hf needs model.hf")
+        if self.kind != "hf" and self.hf is not None:
+            raise _refuse(
+                type(self).__name__, ("hf",), "...", "model.hf is only read with kind: hf"
+            )
+        return self
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:

@@ -55,6 +55,11 @@ class FusionError(ValueError):
 
 def check_fusable(config: TrialConfig) -> None:
     """Refuse what the fused model cannot reproduce exactly."""
+    if config.model.kind != "builtin":
+        raise FusionError(
+            f"model.kind: {config.model.kind} trains alone: only the built-in model fuses "
+            "(fusing Hugging Face models through torch.func is not implemented yet); fuse: 1"
+        )
     if config.model.dropout > 0.0:
         raise FusionError(
             "model.dropout: fused trials draw no randomness in the forward, so dropout > 0 "
