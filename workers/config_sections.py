@@ -4,6 +4,7 @@ settings (`TrialConfig` in workers/config.py holds one of each); torch-free, lik
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Literal, Self
 
@@ -21,6 +22,7 @@ __all__ = [
     "HFModelSpec",
     "MAX_VOCAB_SIZE",
     "ModelConfig",
+    "ModelSizes",
     "OptimConfig",
     "RegularizerConfig",
     "RegularizerKind",
@@ -259,9 +261,20 @@ def _refuse(cls_name: str, loc: tuple[str, ...], value: object, msg: str) -> Val
 HFValue = bool | int | float | str
 
 
+@dataclass(frozen=True)
+class ModelSizes:
+    """A model's sizes as the parameter, memory and FLOP estimates read them."""
+
+    n_layers: int
+    n_heads: int
+    d_model: int
+    d_ff: int
+    mlp_matrices: int  # weight matrices of d_model x d_ff per MLP (0: no MLP)
+
+
 class HFModelSpec(BaseModel):
     """`model.hf`: a Hugging Face `transformers` family from the allow-list, built from a config
-    (workers/models/hf_families.py; docs/bring-your-model.md). Nothing but this data reaches a
+    (workers/hf_families.py; docs/bring-your-model.md). Nothing but this data reaches a
     worker: no code, no download, never `trust_remote_code`."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -281,7 +294,7 @@ class HFModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _known_family_and_keys(self) -> Self:
-        from workers.models.hf_families import hf_config_errors
+        from workers.hf_families import hf_config_errors
 
         for key, msg in hf_config_errors(self.model_type, self.config):
             loc = ("config", key) if key else ("model_type",)
@@ -430,6 +443,23 @@ class ModelConfig(BaseModel):
             self.skip, self.mlp, self.mlp_skip = BLOCK_PRESETS[self.block]
         return self
 
+    def sizes(self) -> ModelSizes:
+        """The sizes the limits and estimates read, whatever the kind (an hf config's from
+        its family's keys; works on an unvalidated `model_construct` copy too)."""
+        if self.kind == "hf" and self.hf is not None:
+            from workers.hf_families import hf_shape
+
+            hf = (
+                self.hf
+                if isinstance(self.hf, HFModelSpec)
+                else HFModelSpec.model_construct(**dict(self.hf))
+            )
+            shape = hf_shape(hf.model_type, hf.config)
+            mats = 3 if shape.gated_mlp else 2
+            return ModelSizes(shape.n_layers, shape.n_heads, shape.d_model, shape.d_ff, mats)
+        mats = (3 if self.mlp_type == "swiglu" else 2) if self.mlp else 0
+        return ModelSizes(self.n_layers, self.n_heads, self.d_model, self.d_ff, mats)
+
     @property
     def mlp_residual(self) -> bool:
         """Whether the MLP sublayer adds its input back (its own skip connection)."""
@@ -439,6 +469,16 @@ class ModelConfig(BaseModel):
     def _kind_has_its_section(self) -> ModelConfig:
         if self.kind == "hf" and self.hf is None:
             raise _refuse(type(self).__name__, ("hf",), None, "kind: hf needs model.hf")
+        if self.kind == "hf":  # the built-in model's fields mean nothing to an hf model
+            for name, field in type(self).model_fields.items():
+                if name not in ("kind", "hf") and getattr(self, name) != field.default:
+                    raise _refuse(
+                        type(self).__name__,
+                        (name,),
+                        getattr(self, name),
+                        f"model.{name} is a setting of the built-in model, not read with "
+                        "kind: hf; set the family's own key under model.hf.config",
+                    )
         if self.kind != "hf" and self.hf is not None:
             raise _refuse(
                 type(self).__name__, ("hf",), "...", "model.hf is only read with kind: hf"

@@ -249,6 +249,10 @@ CHOOSING: tuple[str, ...] = (
 @functools.cache
 def _adapter(path: str) -> TypeAdapter[Any]:
     """A validator of one field of the trial config, with the field's own annotation."""
+    if path.startswith("model.hf.config."):  # a family's config key: any scalar
+        from workers.config_sections import HFValue
+
+        return TypeAdapter(HFValue)
     model: type[BaseModel] = TrialConfig
     *sections, name = path.split(".")
     for section in sections:

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.hf_families import HF_FAMILIES
 from workers.models.base import ProbeOutput, QKModel
-from workers.models.hf_families import HF_FAMILIES
 
 if TYPE_CHECKING:
     from workers.config_sections import HFModelSpec

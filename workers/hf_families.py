@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["HF_FAMILIES", "REFUSED_KEYS", "Family", "hf_config_errors"]
+__all__ = ["HF_FAMILIES", "REFUSED_KEYS", "Family", "HFShape", "hf_config_errors", "hf_shape"]
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ HF_FAMILIES: dict[str, Family] = {
         ff="n_inner",
         positions="n_positions",
         rotary=False,
-        defaults={"n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": 3072, "n_positions": 1024},
+        defaults={"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024},  # n_inner: 4 D
     ),
 }
 
@@ -192,3 +192,39 @@ def hf_config_errors(model_type: str, config: Mapping[str, object]) -> list[tupl
             )
         )
     return errors
+
+
+@dataclass(frozen=True)
+class HFShape:
+    """The sizes of an allow-listed family's config that the limits and estimates read."""
+
+    n_layers: int
+    n_heads: int
+    d_model: int
+    d_ff: int
+    positions: int
+    gated_mlp: bool  # Llama-style gate/up/down (3 matrices) rather than GPT-2's 2
+
+
+def hf_shape(model_type: str, config: Mapping[str, object]) -> HFShape:
+    """The family's sizes from a config (transformers' defaults where it says nothing);
+    numbers that are not integers count as 1 (the config check names them)."""
+    family = HF_FAMILIES[model_type]
+
+    def size(key: str) -> int:
+        value = config.get(key, family.defaults.get(key, 1))
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return 1
+        return max(1, int(value))
+
+    width = size(family.width)
+    has_ff = config.get(family.ff) is not None or family.ff in family.defaults
+    ff = size(family.ff) if has_ff else 4 * width
+    return HFShape(
+        n_layers=size(family.layers),
+        n_heads=size(family.heads),
+        d_model=width,
+        d_ff=ff,
+        positions=size(family.positions),
+        gated_mlp=model_type != "gpt2",
+    )
