@@ -187,7 +187,7 @@ def hf_config_errors(model_type: str, config: Mapping[str, object]) -> list[tupl
     if family.rotary and head_dim % 2:
         errors.append(
             (
-                family.head_dim or family.heads,
+                family.head_dim if family.head_dim and family.head_dim in config else family.heads,
                 f"rotary embeddings need an even head width; it is {head_dim}",
             )
         )
