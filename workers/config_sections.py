@@ -23,6 +23,9 @@ __all__ = [
     "MAX_VOCAB_SIZE",
     "ModelConfig",
     "ModelSizes",
+    "PLUGIN_GROUP",
+    "PluginModelSpec",
+    "installed_plugins",
     "OptimConfig",
     "RegularizerConfig",
     "RegularizerKind",
@@ -302,6 +305,45 @@ class HFModelSpec(BaseModel):
         return self
 
 
+PLUGIN_GROUP = "qkscope.models"
+"""The entry-point group a model plug-in registers its factory in."""
+
+
+def installed_plugins() -> list[str]:
+    """The names of the installed model plug-ins (entry points of PLUGIN_GROUP; nothing is
+    imported)."""
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group=PLUGIN_GROUP))
+
+
+class PluginModelSpec(BaseModel):
+    """`model.plugin`: a model from an installed package's `qkscope.models` entry point
+    (docs/bring-your-model.md). Only the name and this data travel over REST."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    name: str = Field(max_length=200, description="The entry point's name.")
+    config: dict[str, HFValue] = Field(
+        default_factory=dict,
+        description="Passed to the plug-in's factory; each key searchable as "
+        "model.plugin.config.<key>.",
+    )
+
+    @model_validator(mode="after")
+    def _installed(self) -> Self:
+        names = installed_plugins()
+        if self.name not in names:
+            listed = ", ".join(names) or "none installed"
+            raise _refuse(
+                type(self).__name__,
+                ("name",),
+                self.name,
+                f"no model plug-in {self.name!r} in the {PLUGIN_GROUP} entry points ({listed})",
+            )
+        return self
+
+
 BlockPreset = Literal["custom", "pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"]
 # (skip, mlp, mlp_skip) of each named variant of Dong et al. 2021. "attn_mlp" is attention + MLP
 # with no residual anywhere; "attn_mlp_skip" is the variant of the authors' code
@@ -321,13 +363,16 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    kind: Literal["builtin", "hf"] = Field(
+    kind: Literal["builtin", "hf", "plugin"] = Field(
         "builtin",
         description=(
             "builtin: qkscope's own model (the fields below). hf: a Hugging Face transformers "
             "family built from `hf` (the builtin fields below are then unused; "
-            "docs/bring-your-model.md)."
+            "docs/bring-your-model.md). plugin: an installed package's model (`plugin`)."
         ),
+    )
+    plugin: PluginModelSpec | None = Field(
+        None, description="With kind: plugin, the plug-in and its config."
     )
     hf: HFModelSpec | None = Field(
         None, description="With kind: hf, the family and its config (docs/bring-your-model.md)."
@@ -467,22 +512,25 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _kind_has_its_section(self) -> ModelConfig:
-        if self.kind == "hf" and self.hf is None:
-            raise _refuse(type(self).__name__, ("hf",), None, "kind: hf needs model.hf")
-        if self.kind == "hf":  # the built-in model's fields mean nothing to an hf model
-            for name, field in type(self).model_fields.items():
-                if name not in ("kind", "hf") and getattr(self, name) != field.default:
+        name = type(self).__name__
+        for kind in ("hf", "plugin"):
+            section = getattr(self, kind)
+            if self.kind == kind and section is None:
+                raise _refuse(name, (kind,), None, f"kind: {kind} needs model.{kind}")
+            if self.kind != kind and section is not None:
+                raise _refuse(name, (kind,), "...", f"model.{kind} is only read with kind: {kind}")
+        if self.kind != "builtin":  # the built-in model's fields mean nothing to another
+            for field_name, field in type(self).model_fields.items():
+                value = getattr(self, field_name)
+                if field_name not in ("kind", "hf", "plugin") and value != field.default:
                     raise _refuse(
-                        type(self).__name__,
-                        (name,),
-                        getattr(self, name),
-                        f"model.{name} is a setting of the built-in model, not read with "
-                        "kind: hf; set the family's own key under model.hf.config",
+                        name,
+                        (field_name,),
+                        value,
+                        f"model.{field_name} is a setting of the built-in model, not read with "
+                        f"kind: {self.kind}; set the model's own key under "
+                        f"model.{self.kind}.config",
                     )
-        if self.kind != "hf" and self.hf is not None:
-            raise _refuse(
-                type(self).__name__, ("hf",), "...", "model.hf is only read with kind: hf"
-            )
         return self
 
     @model_validator(mode="after")

@@ -402,9 +402,10 @@ def with_params(data: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
             copy = dict(child)
             node[key] = copy
             node = copy
-        # model.hf.config is a family's config: a key it leaves at transformers' default is
-        # searchable too (hf_config_errors names a key the family does not know)
-        if keys[-1] not in node and keys[:-1] != ["model", "hf", "config"]:
+        # model.hf.config / model.plugin.config are a model's own config: a key it leaves at
+        # its default is searchable too (hf_config_errors names a key a family does not know)
+        own_config = keys[:-1] in (["model", "hf", "config"], ["model", "plugin", "config"])
+        if keys[-1] not in node and not own_config:
             raise SpecError(path, f"'{keys[-1]}' is not a field of the trial config")
         node[keys[-1]] = value
     return out

@@ -249,7 +249,7 @@ CHOOSING: tuple[str, ...] = (
 @functools.cache
 def _adapter(path: str) -> TypeAdapter[Any]:
     """A validator of one field of the trial config, with the field's own annotation."""
-    if path.startswith("model.hf.config."):  # a family's config key: any scalar
+    if path.startswith(("model.hf.config.", "model.plugin.config.")):  # a model's own key
         from workers.config_sections import HFValue
 
         return TypeAdapter(HFValue)

@@ -64,6 +64,8 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("kind hf without its section", study({"kind": "hf"}), "base.model.hf"),
     ("hf section on the built-in model", study({"hf": hf()["hf"]}), "base.model.hf"),
     ("a built-in field with kind hf", study({**hf(), "n_heads": 4}), "base.model.n_heads"),
+    ("an unknown plug-in", study({"kind": "plugin", "plugin": {"name": "nope"}}), "base.model.plugin.name"),
+    ("kind plugin without its section", study({"kind": "plugin"}), "base.model.plugin"),
     ("fuse > 1 with an hf model", study(hf(), fuse=2), "fuse"),
     # searched
     ("searched kv heads that do not divide", study(hf(), {"model.hf.config.num_key_value_heads": cat(1, 3)}), "search_space.model.hf.config.num_key_value_heads"),
