@@ -492,13 +492,15 @@ class ModelConfig(BaseModel):
         """The sizes the limits and estimates read, whatever the kind (an hf config's from
         its family's keys; works on an unvalidated `model_construct` copy too)."""
         if self.kind == "hf" and self.hf is not None:
-            from workers.hf_families import hf_shape
+            from workers.hf_families import HF_FAMILIES, hf_shape
 
             hf = (
                 self.hf
                 if isinstance(self.hf, HFModelSpec)
                 else HFModelSpec.model_construct(**dict(self.hf))
             )
+            if hf.model_type not in HF_FAMILIES:  # an unvalidated copy: the check names it
+                return ModelSizes(self.n_layers, self.n_heads, self.d_model, self.d_ff, 2)
             shape = hf_shape(hf.model_type, hf.config)
             mats = 3 if shape.gated_mlp else 2
             return ModelSizes(shape.n_layers, shape.n_heads, shape.d_model, shape.d_ff, mats)

@@ -69,6 +69,10 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("fuse > 1 with an hf model", study(hf(), fuse=2), "fuse"),
     # searched
     ("searched kv heads that do not divide", study(hf(), {"model.hf.config.num_key_value_heads": cat(1, 3)}), "search_space.model.hf.config.num_key_value_heads"),
+    ("searched heads and kv heads that do not divide together", study(hf(hidden_size=48), {
+        "model.hf.config.num_attention_heads": cat(4, 6),
+        "model.hf.config.num_key_value_heads": cat(2, 4),
+    }), "search_space.model.hf.config.num_key_value_heads"),
     ("searched unknown key", study(hf(), {"model.hf.config.bogus": cat(1, 2)}), "search_space.model.hf.config.bogus"),
     ("searched built-in field with kind hf", study(hf(), {"model.norm": cat("pre", "post")}), "search_space.model.norm"),
 ]  # fmt: skip
