@@ -102,6 +102,31 @@ class TrialConfig(BaseModel):
     compile: bool = False
 
     @model_validator(mode="after")
+    def _hf_positions_fit(self) -> TrialConfig:
+        """An hf model is built for at most its positions key's tokens: the task's seq_len
+        must fit (refused at model.hf.config.<key>)."""
+        hf = self.model.hf
+        if self.model.kind != "hf" or hf is None:
+            return self
+        from workers.hf_families import HF_FAMILIES, hf_shape
+
+        key = HF_FAMILIES[hf.model_type].positions
+        positions = hf_shape(hf.model_type, hf.config).positions
+        if positions < self.task.seq_len:
+            detail = InitErrorDetails(
+                type="value_error",
+                loc=("model", "hf", "config", key),
+                input=positions,
+                ctx={
+                    "error": ValueError(
+                        f"{key} ({positions}) is shorter than task.seq_len ({self.task.seq_len})"
+                    )
+                },
+            )
+            raise ValidationError.from_exception_data(type(self).__name__, [detail])
+        return self
+
+    @model_validator(mode="after")
     def _warmup_fits(self) -> TrialConfig:
         if self.optim.warmup_steps > self.steps:
             raise ValueError(

@@ -4,6 +4,7 @@ settings (`TrialConfig` in workers/config.py holds one of each); torch-free, lik
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Literal, Self
 
@@ -18,8 +19,13 @@ __all__ = [
     "BlockPreset",
     "CheckpointConfig",
     "DataFormat",
+    "HFModelSpec",
     "MAX_VOCAB_SIZE",
     "ModelConfig",
+    "ModelSizes",
+    "PLUGIN_GROUP",
+    "PluginModelSpec",
+    "installed_plugins",
     "OptimConfig",
     "RegularizerConfig",
     "RegularizerKind",
@@ -255,6 +261,89 @@ def _refuse(cls_name: str, loc: tuple[str, ...], value: object, msg: str) -> Val
     return ValidationError.from_exception_data(cls_name, [detail])
 
 
+HFValue = bool | int | float | str
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """A model's sizes as the parameter, memory and FLOP estimates read them."""
+
+    n_layers: int
+    n_heads: int
+    d_model: int
+    d_ff: int
+    mlp_matrices: int  # weight matrices of d_model x d_ff per MLP (0: no MLP)
+
+
+class HFModelSpec(BaseModel):
+    """`model.hf`: a Hugging Face `transformers` family from the allow-list, built from a config
+    (workers/hf_families.py; docs/bring-your-model.md). Nothing but this data reaches a
+    worker: no code, no download, never `trust_remote_code`."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model_type: str = Field(
+        description="The family: llama, qwen3, olmo2, mistral or gpt2.",
+    )
+    config: dict[str, HFValue] = Field(
+        default_factory=dict,
+        description=(
+            "Keys of the family's transformers config (hidden_size, num_hidden_layers, "
+            "num_attention_heads, num_key_value_heads, rope_theta, ...; GPT-2: n_embd, n_layer, "
+            "n_head, ...); the rest keep transformers' defaults. Each key is searchable as "
+            "model.hf.config.<key>. vocab_size comes from the task."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _known_family_and_keys(self) -> Self:
+        from workers.hf_families import hf_config_errors
+
+        for key, msg in hf_config_errors(self.model_type, self.config):
+            loc = ("config", key) if key else ("model_type",)
+            raise _refuse(type(self).__name__, loc, self.config.get(key, self.model_type), msg)
+        return self
+
+
+PLUGIN_GROUP = "qkscope.models"
+"""The entry-point group a model plug-in registers its factory in."""
+
+
+def installed_plugins() -> list[str]:
+    """The names of the installed model plug-ins (entry points of PLUGIN_GROUP; nothing is
+    imported)."""
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group=PLUGIN_GROUP))
+
+
+class PluginModelSpec(BaseModel):
+    """`model.plugin`: a model from an installed package's `qkscope.models` entry point
+    (docs/bring-your-model.md). Only the name and this data travel over REST."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    name: str = Field(max_length=200, description="The entry point's name.")
+    config: dict[str, HFValue] = Field(
+        default_factory=dict,
+        description="Passed to the plug-in's factory; each key searchable as "
+        "model.plugin.config.<key>.",
+    )
+
+    @model_validator(mode="after")
+    def _installed(self) -> Self:
+        names = installed_plugins()
+        if self.name not in names:
+            listed = ", ".join(names) or "none installed"
+            raise _refuse(
+                type(self).__name__,
+                ("name",),
+                self.name,
+                f"no model plug-in {self.name!r} in the {PLUGIN_GROUP} entry points ({listed})",
+            )
+        return self
+
+
 BlockPreset = Literal["custom", "pure", "attn_mlp", "attn_mlp_skip", "attn_skip", "full"]
 # (skip, mlp, mlp_skip) of each named variant of Dong et al. 2021. "attn_mlp" is attention + MLP
 # with no residual anywhere; "attn_mlp_skip" is the variant of the authors' code
@@ -274,6 +363,20 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    kind: Literal["builtin", "hf", "plugin"] = Field(
+        "builtin",
+        description=(
+            "builtin: qkscope's own model (the fields below). hf: a Hugging Face transformers "
+            "family built from `hf` (the builtin fields below are then unused; "
+            "docs/bring-your-model.md). plugin: an installed package's model (`plugin`)."
+        ),
+    )
+    plugin: PluginModelSpec | None = Field(
+        None, description="With kind: plugin, the plug-in and its config."
+    )
+    hf: HFModelSpec | None = Field(
+        None, description="With kind: hf, the family and its config (docs/bring-your-model.md)."
+    )
     n_layers: int = Field(2, ge=1, le=64)
     n_heads: int = Field(2, ge=1, le=64)
     d_model: int = Field(64, ge=4, le=8192)
@@ -401,6 +504,25 @@ class ModelConfig(BaseModel):
             self.skip, self.mlp, self.mlp_skip = BLOCK_PRESETS[self.block]
         return self
 
+    def sizes(self) -> ModelSizes:
+        """The sizes the limits and estimates read, whatever the kind (an hf config's from
+        its family's keys; works on an unvalidated `model_construct` copy too)."""
+        if self.kind == "hf" and self.hf is not None:
+            from workers.hf_families import HF_FAMILIES, hf_shape
+
+            hf = (
+                self.hf
+                if isinstance(self.hf, HFModelSpec)
+                else HFModelSpec.model_construct(**dict(self.hf))
+            )
+            if hf.model_type not in HF_FAMILIES:  # an unvalidated copy: the check names it
+                return ModelSizes(self.n_layers, self.n_heads, self.d_model, self.d_ff, 2)
+            shape = hf_shape(hf.model_type, hf.config)
+            mats = 3 if shape.gated_mlp else 2
+            return ModelSizes(shape.n_layers, shape.n_heads, shape.d_model, shape.d_ff, mats)
+        mats = (3 if self.mlp_type == "swiglu" else 2) if self.mlp else 0
+        return ModelSizes(self.n_layers, self.n_heads, self.d_model, self.d_ff, mats)
+
     @property
     def mlp_residual(self) -> bool:
         """Whether the MLP sublayer adds its input back (its own skip connection)."""
@@ -416,6 +538,29 @@ class ModelConfig(BaseModel):
                     f"d_model ({self.d_model}) must be a multiple of head_dim ({self.head_dim})"
                 )
             self.n_heads = self.d_model // self.head_dim
+        return self
+
+    @model_validator(mode="after")
+    def _kind_has_its_section(self) -> ModelConfig:
+        name = type(self).__name__
+        for kind in ("hf", "plugin"):
+            section = getattr(self, kind)
+            if self.kind == kind and section is None:
+                raise _refuse(name, (kind,), None, f"kind: {kind} needs model.{kind}")
+            if self.kind != kind and section is not None:
+                raise _refuse(name, (kind,), "...", f"model.{kind} is only read with kind: {kind}")
+        if self.kind != "builtin":  # the built-in model's fields mean nothing to another
+            for field_name, field in type(self).model_fields.items():
+                value = getattr(self, field_name)
+                if field_name not in ("kind", "hf", "plugin") and value != field.default:
+                    raise _refuse(
+                        name,
+                        (field_name,),
+                        value,
+                        f"model.{field_name} is a setting of the built-in model, not read with "
+                        f"kind: {self.kind}; set the model's own key under "
+                        f"model.{self.kind}.config",
+                    )
         return self
 
     @model_validator(mode="after")

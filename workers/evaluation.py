@@ -17,7 +17,7 @@ from torch import Tensor
 
 from workers import metrics as M
 from workers.config import MetricPoint, RegularizerConfig, TrialConfig, TrialStatus, TrialSummary
-from workers.model import GPT
+from workers.models import QKModel
 from workers.provenance import code_commit, config_hash
 from workers.regularizers import model_penalty
 from workers.tasks import Task
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-def penalty(model: GPT, reg: RegularizerConfig) -> Tensor:
+def penalty(model: QKModel, reg: RegularizerConfig) -> Tensor:
     """The regularizer's value on the model: mean over layers and heads."""
     return model_penalty(model.qk_weights(), reg.kind, reg.target_mean)
 
@@ -49,7 +49,7 @@ def _wide(x: Tensor) -> Tensor:
 
 @torch.no_grad()
 def probe_metrics(
-    model: GPT, probe_x: Tensor, probe_targets: Tensor | None = None
+    model: QKModel, probe_x: Tensor, probe_targets: Tensor | None = None
 ) -> list[MetricPoint]:
     """Every docs/metrics.md quantity per layer (1..L; 0 = embeddings for rank) and head.
 
@@ -59,7 +59,7 @@ def probe_metrics(
     was_training = model.training
     model.eval()
     out = model.probe(probe_x)
-    causal = model.cfg.causal
+    causal = model.causal
     points: list[MetricPoint] = []
     for layer, attn in enumerate(out.attn, start=1):
         per_head = {
@@ -72,7 +72,7 @@ def probe_metrics(
         q, k = out.qk[layer - 1]
         # the q, k this probe just made the attention from, at the model's own scale
         per_head["attn_logit_max"] = M.attention_logit_max(
-            q, k, causal=causal, scale=out.scale
+            q, k, causal=causal, scale=out.layer_scale(layer - 1)
         ).tolist()
         for name, values in per_head.items():
             points.extend(MetricPoint(name, v, layer, h) for h, v in enumerate(values))
@@ -100,7 +100,7 @@ def probe_metrics(
 
 @torch.no_grad()
 def val_loss(
-    model: GPT, batches: list[tuple[Tensor, Tensor]], ctx: Any, dev: torch.device
+    model: QKModel, batches: list[tuple[Tensor, Tensor]], ctx: Any, dev: torch.device
 ) -> float:
     was_training = model.training
     model.eval()
@@ -115,7 +115,7 @@ def val_loss(
 
 
 def init_points(
-    model: GPT,
+    model: QKModel,
     val_batches: list[tuple[Tensor, Tensor]],
     ctx: Any,
     dev: torch.device,

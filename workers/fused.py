@@ -45,6 +45,8 @@ from workers.fusion_plan import (
 )
 from workers.member import Member, Reporter, autocast_for, new_member
 from workers.member import resolve_device as resolve_device
+from workers.model import GPT
+from workers.models import QKModel
 from workers.runners import StepOut
 from workers.stopping import StopRule
 
@@ -160,6 +162,13 @@ def _clip_per_member(params: list[Tensor], clips: Tensor) -> Tensor:
     return total
 
 
+def _builtin(model: QKModel) -> GPT:
+    """The member's model as the built-in GPT (`check_fusable` refuses every other kind)."""
+    if not isinstance(model, GPT):
+        raise FusionError(f"only the built-in model fuses, not {type(model).__name__}")
+    return model
+
+
 def _sync_optimizer(mem: Member, m: int, opt: _BatchedOptimizer) -> None:
     """Member m's AdamW moments and step count into its torch optimizer's state (the format
     torch's own AdamW keeps, so the checkpoint resumes alone as well as fused)."""
@@ -222,7 +231,7 @@ class FusedRunner:
             raise FusionError("configs differ in fields that change the fused program")
         configs = [m.config for m in members]
         dev = self.device
-        self.fused = FusedGPT.from_models([m.model for m in members], dev)
+        self.fused = FusedGPT.from_models([_builtin(m.model) for m in members], dev)
         self.opt = _BatchedOptimizer(configs, self.fused.parameters(), dev)
         for slot, mem in enumerate(members):
             _restore_optimizer(mem, slot, self.opt)
@@ -280,7 +289,7 @@ class FusedRunner:
 
     def sync(self, slot: int, member: Member) -> None:
         assert self.fused is not None and self.opt is not None
-        self.fused.write_member(slot, member.model)
+        self.fused.write_member(slot, _builtin(member.model))
         _sync_optimizer(member, slot, self.opt)
 
 

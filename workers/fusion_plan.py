@@ -55,6 +55,11 @@ class FusionError(ValueError):
 
 def check_fusable(config: TrialConfig) -> None:
     """Refuse what the fused model cannot reproduce exactly."""
+    if config.model.kind != "builtin":
+        raise FusionError(
+            f"model.kind: {config.model.kind} trains alone: only the built-in model fuses "
+            "(fusing Hugging Face models through torch.func is not implemented yet); fuse: 1"
+        )
     if config.model.dropout > 0.0:
         raise FusionError(
             "model.dropout: fused trials draw no randomness in the forward, so dropout > 0 "
@@ -100,10 +105,10 @@ def group_by_key(configs: Sequence[TrialConfig], max_size: int) -> list[list[int
 def estimated_params(config: TrialConfig, vocab_size: int) -> int:
     """Parameters of the trial's GPT, counted from its shapes (an upper bound: every norm
     and QK-norm weight and bias counted, the head tied to the token embedding)."""
-    m, t = config.model, config.task.seq_len
-    d, f, layers = m.d_model, m.d_ff, m.n_layers
-    mlp = (3 if m.mlp_type == "swiglu" else 2) * d * f if m.mlp else 0
-    per_layer = 4 * d * d + mlp + 4 * d + 4 * m.d_head
+    z, t = config.model.sizes(), config.task.seq_len
+    d, f, layers = z.d_model, z.d_ff, z.n_layers
+    mlp = z.mlp_matrices * d * f
+    per_layer = 4 * d * d + mlp + 4 * d + 4 * (d // z.n_heads)
     return vocab_size * d + t * d + layers * per_layer + 2 * d
 
 
@@ -118,8 +123,8 @@ def member_bytes(config: TrialConfig, vocab_size: int) -> int:
     high on purpose: a slot count from it should fit, and an out-of-memory still shrinks the
     worker (workers/slot_worker.py).
     """
-    m, b, t = config.model, config.batch_size, config.task.seq_len
-    d, f, h, layers = m.d_model, m.d_ff, m.n_heads, m.n_layers
+    z, b, t = config.model.sizes(), config.batch_size, config.task.seq_len
+    d, f, h, layers = z.d_model, z.d_ff, z.n_heads, z.n_layers
     params = estimated_params(config, vocab_size)
     per_layer = b * t * (12 * d + 2 * f) + b * h * t * t
     logits = 3 * b * t * vocab_size
@@ -184,9 +189,9 @@ def float_bytes(config: TrialConfig) -> int:
 
 def memory_estimate(config: TrialConfig, vocab_size: int | None = None) -> MemoryEstimate:
     """The peak memory of one member of `config`, by part (`vocab_bound` unless given)."""
-    m, t, b = config.model, config.task, config.batch_size
+    z, t, b = config.model.sizes(), config.task, config.batch_size
     vocab = vocab_bound(config) if vocab_size is None else vocab_size
-    d, f, h, layers, seq = m.d_model, m.d_ff, m.n_heads, m.n_layers, t.seq_len
+    d, f, h, layers, seq = z.d_model, z.d_ff, z.n_heads, z.n_layers, t.seq_len
     w = float_bytes(config)
     per_layer = b * seq * (12 * d + 2 * f) + 2 * b * h * seq * seq  # scores and probabilities
     p = config.probe_batch_size
@@ -237,9 +242,9 @@ def step_flops(config: TrialConfig, vocab_size: int | None = None) -> float:
     """Training FLOPs of one step: 6 x weights x tokens for the blocks and the tied head
     (vocabulary x d_model; `vocab_bound` unless given), plus the attention scores (12 x
     layers x d_model x seq_len per token). The embedding lookup costs no matmul."""
-    m, tokens = config.model, config.batch_size * config.task.seq_len
+    m, tokens = config.model.sizes(), config.batch_size * config.task.seq_len
     vocab = vocab_bound(config) if vocab_size is None else vocab_size
-    mlp = (3 if m.mlp_type == "swiglu" else 2) * m.d_model * m.d_ff if m.mlp else 0
+    mlp = m.mlp_matrices * m.d_model * m.d_ff
     weights = m.n_layers * (4 * m.d_model**2 + mlp)
     weights += vocab * m.d_model
     return float(6 * weights * tokens + 12 * m.n_layers * m.d_model * config.task.seq_len * tokens)

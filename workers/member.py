@@ -23,7 +23,7 @@ from torch import Tensor
 from workers.checkpoints import durable_write
 from workers.config import MetricPoint, TrialConfig, TrialStatus, TrialSummary
 from workers.evaluation import History
-from workers.model import GPT
+from workers.models import QKModel, build
 from workers.stopping import Stopper, StopRule
 from workers.tasks import Task, build_task
 
@@ -96,7 +96,7 @@ def lr_lambda(config: TrialConfig) -> Callable[[int], float]:
     return factor
 
 
-def make_optimizer(config: TrialConfig, model: GPT) -> torch.optim.Optimizer:
+def make_optimizer(config: TrialConfig, model: QKModel) -> torch.optim.Optimizer:
     """AdamW (fused kernel on CUDA, foreach on CPU) or SGD, from the trial's settings."""
     o = config.optim
     cuda = next(model.parameters()).device.type == "cuda"
@@ -114,12 +114,12 @@ def make_optimizer(config: TrialConfig, model: GPT) -> torch.optim.Optimizer:
     )
 
 
-def build_model(config: TrialConfig, task: Task) -> GPT:
+def build_model(config: TrialConfig, task: Task) -> QKModel:
     """The trial's model, initialised from the trial seed (in float64 for `dtype: float64`:
     drawn in float32 as always, then widened, so float32 and float64 trials of one seed
     start from the same weights)."""
     torch.manual_seed(config.seed)
-    model = GPT(config.model, vocab_size=task.vocab_size, seq_len=task.seq_len)
+    model = build(config.model, vocab_size=task.vocab_size, seq_len=task.seq_len)
     return model.to(torch.float64) if config.dtype == "float64" else model
 
 
@@ -135,7 +135,7 @@ class Member:
     config: TrialConfig
     reporter: Reporter
     task: Task
-    model: GPT
+    model: QKModel
     optimizer: torch.optim.Optimizer
     data_gen: torch.Generator
     probe_x: Tensor

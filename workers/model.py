@@ -26,13 +26,13 @@ lives here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from workers.config import BLOCK_PRESETS, BlockPreset, ModelConfig
+from workers.models.base import ProbeOutput, QKModel
 
 __all__ = [
     "BLOCK_PRESETS",
@@ -74,19 +74,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def make_norm(kind: str, d: int) -> nn.Module:
     """A LayerNorm (weight and bias) or an RMSNorm (weight only) over the last `d` features."""
     return nn.RMSNorm(d) if kind == "rmsnorm" else nn.LayerNorm(d)
-
-
-@dataclass
-class ProbeOutput:
-    """What the metrics need from one probe forward."""
-
-    logits: Tensor  # (B, T, V)
-    attn: list[Tensor]  # per block: (B, H, T, T), rows sum to 1, masked entries exactly 0
-    # (no entry is masked when the model is not causal)
-    hidden: list[Tensor]  # L + 1 entries: (B, T, D); 0 is the embedding, l the output of block l
-    # per block, q and k as they enter the logits (after QK norm and rotary): (B, H, T, d_h)
-    qk: list[tuple[Tensor, Tensor]]
-    scale: float  # the logits' scale, 1 / (sqrt(d_h) * attn_temperature)
 
 
 class SigmaReparamLinear(nn.Module):
@@ -278,7 +265,9 @@ class Block(nn.Module):
         return self._run(x, probe=False)[0]
 
 
-class GPT(nn.Module):
+class GPT(QKModel):
+    """The built-in model; implements the engine's protocol (workers/models/base.py)."""
+
     def __init__(self, cfg: ModelConfig, vocab_size: int, seq_len: int) -> None:
         super().__init__()
         self.cfg, self.vocab_size, self.seq_len = cfg, vocab_size, seq_len
@@ -336,6 +325,10 @@ class GPT(nn.Module):
             for proj in (block.attn.v_proj, block.attn.out_proj):
                 assert isinstance(proj, nn.Linear | SigmaReparamLinear)
                 proj.weight.mul_(1.0 / (math.sqrt(self.cfg.d_model) * 0.02))
+
+    @property
+    def causal(self) -> bool:
+        return self.cfg.causal
 
     def qk_weights(self) -> list[tuple[Tensor, Tensor]]:
         """Per layer, the effective (H, d_h, D) query and key weights."""

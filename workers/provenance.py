@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from workers.config import TrialConfig
 
@@ -27,9 +28,10 @@ def config_hash(config: TrialConfig) -> str:
     """sha256 (first 16 hex digits) of the config as canonical JSON, without `checkpoint`
     and `task.data_root` (where a run keeps its checkpoints, or the data directory it was
     confined to, says nothing about what it computes)."""
-    data = config.model_dump(
-        mode="json", by_alias=True, exclude={"checkpoint": True, "task": {"data_root"}}
-    )
+    exclude: dict[str, Any] = {"checkpoint": True, "task": {"data_root"}}
+    if config.model.kind == "builtin":  # the hash of a builtin config predates model kinds
+        exclude["model"] = {"kind", "hf"}
+    data = config.model_dump(mode="json", by_alias=True, exclude=exclude)
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -179,6 +179,17 @@ def metric_rows_per_evaluation(n_layers: int, n_heads: int) -> int:
 
 def _layers_heads(spec: StudySpec) -> tuple[int, int]:
     m = spec.base.model
+    if m.kind == "hf" and m.hf is not None:  # the family's own keys, searched or not
+        from workers.hf_families import HF_FAMILIES
+
+        family, z = HF_FAMILIES[m.hf.model_type], m.sizes()
+        layer_path, head_path = (
+            f"model.hf.config.{family.layers}",
+            f"model.hf.config.{family.heads}",
+        )
+        layers = max(_ints(_values(spec, layer_path, z.n_layers)), default=z.n_layers)
+        heads = max(_ints(_values(spec, head_path, z.n_heads)), default=z.n_heads)
+        return layers, heads
     layers = max(_ints(_values(spec, "model.n_layers", m.n_layers)), default=m.n_layers)
     heads = max(_ints(_values(spec, "model.n_heads", m.n_heads)), default=m.n_heads)
     return layers, heads

@@ -471,7 +471,10 @@ def with_params(data: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
             copy = dict(child)
             node[key] = copy
             node = copy
-        if keys[-1] not in node:
+        # model.hf.config / model.plugin.config are a model's own config: a key it leaves at
+        # its default is searchable too (hf_config_errors names a key a family does not know)
+        own_config = keys[:-1] in (["model", "hf", "config"], ["model", "plugin", "config"])
+        if keys[-1] not in node and not own_config:
             raise SpecError(path, f"'{keys[-1]}' is not a field of the trial config")
         node[keys[-1]] = value
     return out
@@ -500,8 +503,10 @@ def vocab_size(config: TrialConfig) -> int:
 
 def count_params(config: TrialConfig, vocab: int) -> int:
     """About how many parameters a trial's model has (attention, MLP, embeddings)."""
-    m = config.model
-    per_layer = 4 * m.d_model * m.d_model + (2 * m.d_model * m.d_ff if m.mlp else 0)
+    m = config.model.sizes()
+    # the built-in count has always taken 2 MLP matrices (SwiGLU too): kept, so limits hold
+    mats = m.mlp_matrices if config.model.kind == "hf" else min(m.mlp_matrices, 2)
+    per_layer = 4 * m.d_model * m.d_model + mats * m.d_model * m.d_ff
     return m.n_layers * per_layer + vocab * m.d_model + config.task.seq_len * m.d_model
 
 

@@ -64,9 +64,17 @@ MAX_POINT_CHECKS = 40_000
 MAX_COMBO_CHECKS = 40_000
 # Fields the trial config (workers/config.py) validates together, one group per validator:
 # ModelConfig._heads_divide_width, TrialConfig._warmup_fits, TaskConfig._check_layout,
-# TrialConfig._mask_hides_the_targets.
+# TrialConfig._mask_hides_the_targets, and an hf model's shapes.
+_HF = "model.hf.config."
 INTERACTING: tuple[tuple[str, ...], ...] = (
     ("model.d_model", "model.n_heads"),
+    # HFModelSpec (workers/hf_families.py, hf_config_errors) and TrialConfig._hf_positions_fit
+    (
+        "model.hf.model_type",
+        *(_HF + k for k in ("hidden_size", "num_attention_heads", "num_key_value_heads")),
+        *(_HF + k for k in ("head_dim", "n_embd", "n_head")),
+    ),
+    ("task.seq_len", _HF + "max_position_embeddings", _HF + "n_positions"),
     ("steps", "optim.warmup_steps"),
     ("task.kind", "model.causal"),
     (
@@ -249,6 +257,10 @@ CHOOSING: tuple[str, ...] = (
 @functools.cache
 def _adapter(path: str) -> TypeAdapter[Any]:
     """A validator of one field of the trial config, with the field's own annotation."""
+    if path.startswith(("model.hf.config.", "model.plugin.config.")):  # a model's own key
+        from workers.config_sections import HFValue
+
+        return TypeAdapter(HFValue)
     model: type[BaseModel] = TrialConfig
     *sections, name = path.split(".")
     for section in sections:

@@ -130,3 +130,57 @@ def assert_same_evaluations(alone: Recorder, fused: Recorder) -> None:
         assert set(a) == set(f)
         for name in ("val_loss", "train_loss"):
             assert rel(a[(name, None, None)], f[(name, None, None)]) < REL_TOL, (step, name)
+
+
+# Tiny configs of every allow-listed Hugging Face family (workers/hf_families.py): grouped-query
+# heads where the family has them (llama 4:2, mistral 4:1), Qwen3's per-head and OLMo 2's
+# all-heads QK norm, GPT-2's fused c_attn.
+HF_TINY: dict[str, dict[str, Any]] = {
+    "llama": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    },
+    "qwen3": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 64,
+    },
+    "olmo2": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    },
+    "mistral": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "max_position_embeddings": 64,
+    },
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+}
+
+
+def hf_model_section(model_type: str, **config: Any) -> dict[str, Any]:
+    """A `model` section for a tiny model of the family (config keys override)."""
+    return {"kind": "hf", "hf": {"model_type": model_type, "config": HF_TINY[model_type] | config}}
+
+
+def hf_tiny(model_type: str, **over: Any) -> TrialConfig:
+    """`tiny` with a tiny Hugging Face model of the family in place of the built-in one."""
+    data = merge(TINY, over)
+    data["model"] = hf_model_section(model_type)
+    return TrialConfig.model_validate(data)
