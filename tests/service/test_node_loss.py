@@ -207,9 +207,18 @@ def test_dropped_database_connections_are_retried(
         assert s.scalar(select(Study.status).where(Study.id == run.study_id)) == "COMPLETED"
 
 
+# What Optuna is told for a row the table recorded: a pruned trial stays pruned (the fault
+# proof of issue 41 found no test of a PRUNED row here: a resume that relaunched it passed).
+TOLD = {
+    "COMPLETE": (optuna.trial.TrialState.COMPLETE, [1.25]),
+    "PRUNED": (optuna.trial.TrialState.PRUNED, None),
+}
+
+
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("state", sorted(TOLD))
 def test_trial_recorded_but_not_told_is_not_run_again(
-    cluster: Cluster, db_url: str, tmp_path: Path
+    cluster: Cluster, db_url: str, tmp_path: Path, state: str
 ) -> None:
     """The runner died after writing a trial's result and before telling Optuna: the next
     runner tells Optuna what the table says instead of running the trial again."""
@@ -229,7 +238,7 @@ def test_trial_recorded_but_not_told_is_not_run_again(
             Trial(
                 study_id=row.id,
                 number=asked.number,
-                state="COMPLETE",
+                state=state,
                 params={},
                 value=1.25,
                 values=[1.25],
@@ -239,7 +248,7 @@ def test_trial_recorded_but_not_told_is_not_run_again(
         )
     assert run_study(row.id, settings) == "COMPLETED"
     ft = optuna.load_study(study_name=f"qkscope-{row.id}", storage=storage).trials
-    assert [(t.state, t.values) for t in ft] == [(optuna.trial.TrialState.COMPLETE, [1.25])]
+    assert [(t.state, t.values) for t in ft] == [TOLD[state]]
     with sessions() as s:
         trials = list(s.scalars(select(Trial).where(Trial.study_id == row.id)))
         assert [(t.number, t.attempts, t.final_val_loss) for t in trials] == [(0, 1, 1.25)]
