@@ -126,7 +126,7 @@ class Ladder:
         return self._queue.popleft() if self._queue else None
 
     def _read_rows(self) -> StabilityBoundary:
-        with session_scope(self.store.sessions) as s:
+        with session_scope(self.store.reader()) as s:
             row = self.store.studies.get(self.study_id)
             assert row is not None
             return study_stability_boundary(s, row)

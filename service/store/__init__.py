@@ -153,6 +153,11 @@ class Store:
         self.trials = TrialRows(sessions, fence)
         self.standbys = StandbyRows(sessions)
 
+    def reader(self) -> sessionmaker[Session]:
+        """Read-only sessions on this store's database (`make_reader`) for a reader outside
+        the store, e.g. the runner's width ladder reading the stability boundary."""
+        return make_reader(self.sessions.kw["bind"])
+
 
 def upgrade_schema(url: str, revision: str = "head") -> None:
     """Bring the database at `url` to the schema `revision` (Alembic; our tables only);
