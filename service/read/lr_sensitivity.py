@@ -379,31 +379,7 @@ def study_lr_sensitivity(
     grid = _grid(study)
     names = _group_by(study, group_by)
     _measures_init(study)
-    rows = session.execute(
-        select(
-            Trial.id,
-            Trial.seed,
-            Trial.params,
-            Trial.state,
-            Trial.final_val_loss,
-            bounded_summary(session),  # not its per-evaluation lists (service/read/summaries.py)
-        )
-        .where(Trial.study_id == study.id)
-        .order_by(Trial.number)
-    ).all()
-    init = dict(
-        session.execute(
-            select(Metric.trial_id, Metric.value)
-            .join(Trial, Trial.id == Metric.trial_id)
-            .where(
-                Trial.study_id == study.id,
-                Metric.name == "val_loss",
-                Metric.step == 0,
-                Metric.layer == NO_INDEX,
-                Metric.head == NO_INDEX,
-            )
-        ).all()
-    )
+    rows, init = trial_rows_and_init_losses(session, study.id)
     groups: dict[tuple[Any, ...], list[TrialPoint]] = defaultdict(list)
     unfinished: dict[tuple[Any, ...], dict[int, dict[float, str]]] = defaultdict(
         lambda: defaultdict(dict)
@@ -440,3 +416,41 @@ def study_lr_sensitivity(
         for k in sorted(values, key=repr)
     ]
     return LrSensitivity(study.id, names, grid, _log_spaced(grid), CONFIDENCE, results)
+
+
+def trial_rows_and_init_losses(
+    session: Session, study_id: int
+) -> tuple[list[Any], dict[int, float | None]]:
+    """A study's trials as the learning-rate reads need them (id, seed, params, state, final
+    validation loss, bounded summary; by number) and each trial's step-0 validation loss
+    (by trial id): shared by LR sensitivity and the stability boundary."""
+    rows = list(
+        session.execute(
+            select(
+                Trial.id,
+                Trial.seed,
+                Trial.params,
+                Trial.state,
+                Trial.final_val_loss,
+                bounded_summary(
+                    session
+                ),  # not its per-evaluation lists (service/read/summaries.py)
+            )
+            .where(Trial.study_id == study_id)
+            .order_by(Trial.number)
+        ).all()
+    )
+    init = dict(
+        session.execute(
+            select(Metric.trial_id, Metric.value)
+            .join(Trial, Trial.id == Metric.trial_id)
+            .where(
+                Trial.study_id == study_id,
+                Metric.name == "val_loss",
+                Metric.step == 0,
+                Metric.layer == NO_INDEX,
+                Metric.head == NO_INDEX,
+            )
+        ).all()
+    )
+    return rows, init

@@ -42,14 +42,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidField
 from service.read.intervals import t_interval
-from service.read.summaries import bounded_summary, decode_summary
+from service.read.lr_sensitivity import trial_rows_and_init_losses
+from service.read.summaries import decode_summary
 from service.spec.model import WIDTH_PARAMS
-from service.store import NO_INDEX, OPEN_TRIAL_STATES, Metric, Study, Trial, TrialState
+from service.store import OPEN_TRIAL_STATES, Study, TrialState
 
 __all__ = [
     "CONFIDENCE",
@@ -550,31 +550,7 @@ def study_stability_boundary(
     if target_width is not None and not (_finite(target_width) and target_width > 0):
         raise InvalidField("target_width", f"must be a positive number, got {target_width!r}")
     inst = list((study.spec.get("stability") or {}).get("instability_constraints", []))
-    rows = session.execute(
-        select(
-            Trial.id,
-            Trial.seed,
-            Trial.params,
-            Trial.state,
-            Trial.final_val_loss,
-            bounded_summary(session),  # not its per-evaluation lists
-        )
-        .where(Trial.study_id == study.id)
-        .order_by(Trial.number)
-    ).all()
-    init = dict(
-        session.execute(
-            select(Metric.trial_id, Metric.value)
-            .join(Trial, Trial.id == Metric.trial_id)
-            .where(
-                Trial.study_id == study.id,
-                Metric.name == "val_loss",
-                Metric.step == 0,
-                Metric.layer == NO_INDEX,
-                Metric.head == NO_INDEX,
-            )
-        ).all()
-    )
+    rows, init = trial_rows_and_init_losses(session, study.id)
     runs: dict[tuple[Any, ...], dict[tuple[float, int], list[Run]]] = defaultdict(
         lambda: defaultdict(list)
     )
