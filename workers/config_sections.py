@@ -654,6 +654,16 @@ class OptimConfig(BaseModel):
     beta2: float = Field(0.95, ge=0.0, lt=1.0)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine"] = "cosine"
+    min_lr: float | None = Field(
+        None,
+        ge=0.0,
+        le=10.0,
+        description=(
+            "cosine only: the learning rate the cosine reaches at the last step (Wortsman et "
+            "al. 2024 decay to 1e-5), never above the peak `lr`. None keeps the old schedule, "
+            "a cosine to 0.1 x the peak, so studies defined before this field run unchanged."
+        ),
+    )
     grad_clip: float | None = Field(1.0, gt=0.0)
     weight_decay_mode: Literal["coupled", "independent"] = Field(
         "coupled",

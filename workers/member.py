@@ -82,8 +82,11 @@ def autocast_for(config: TrialConfig, device: torch.device) -> AbstractContextMa
 
 
 def lr_lambda(config: TrialConfig) -> Callable[[int], float]:
-    """The learning-rate factor of step `step` (warmup, then constant or cosine to 0.1)."""
+    """The learning-rate factor of step `step`: linear warmup, then constant, or a cosine
+    from 1 down to the floor (`optim.min_lr / lr`, at most 1; 0.1 when `min_lr` is None)."""
     warmup, total, schedule = config.optim.warmup_steps, config.steps, config.optim.schedule
+    o = config.optim
+    floor = 0.1 if o.min_lr is None else min(1.0, o.min_lr / o.lr)
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -91,7 +94,7 @@ def lr_lambda(config: TrialConfig) -> Callable[[int], float]:
         if schedule == "constant":
             return 1.0
         progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
 

@@ -31,6 +31,8 @@ def config_hash(config: TrialConfig) -> str:
     exclude: dict[str, Any] = {"checkpoint": True, "task": {"data_root"}}
     if config.model.kind == "builtin":  # the hash of a builtin config predates model kinds
         exclude["model"] = {"kind", "hf"}
+    if config.optim.min_lr is None:  # likewise the hash of a config without a cosine floor
+        exclude["optim"] = {"min_lr"}
     data = config.model_dump(mode="json", by_alias=True, exclude=exclude)
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

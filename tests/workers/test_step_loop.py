@@ -77,3 +77,29 @@ def test_divergence_between_checks_is_recorded_at_its_exact_step() -> None:
     assert fused.status == "diverged"
     assert fused.diverged_at_step == expected
     assert fused.steps_done == expected - 1
+
+
+def _cosine_reference(step: int, lr: float, warmup: int, total: int, lr_end: float) -> float:
+    """The schedule written out: linear warmup to `lr`, then half a cosine from `lr` to
+    `lr_end` over the remaining steps."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return lr_end + (lr - lr_end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def test_cosine_floor_is_the_learning_rate_at_the_last_step() -> None:
+    """`optim.min_lr` is the learning rate the cosine reaches (Wortsman et al.: 1e-5); without
+    it the cosine ends at 0.1 x the peak, as studies defined before the field expect."""
+    from workers.member import lr_lambda
+
+    for min_lr, lr_end in ((None, 0.1 * 0.02), (1e-5, 1e-5), (0.5, 0.02)):
+        optim = {"lr": 0.02, "warmup_steps": 5, "schedule": "cosine", "min_lr": min_lr}
+        config = tiny(steps=40, optim=optim)
+        factor = lr_lambda(config)
+        for step in (0, 4, 5, 17, 39, 40):
+            want = _cosine_reference(step, 0.02, 5, 40, lr_end)
+            assert math.isclose(0.02 * factor(step), want, rel_tol=1e-12), (min_lr, step)
+    # the floor above the peak is the peak: constant after warmup
+    config = tiny(steps=40, optim={"lr": 0.02, "min_lr": 0.5})
+    assert lr_lambda(config)(39) == 1.0
