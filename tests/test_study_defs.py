@@ -368,3 +368,33 @@ def test_stability_boundary_arms_differ_only_in_the_arm() -> None:
     gpu = _spec("gpu_stability_boundary.yaml")
     assert gpu.base.device == "cuda" and max(gpu.search_space["model.d_model"].grid) >= 1024
     assert gpu.stability is not None and gpu.base.model.head_dim == 64
+
+
+def test_instability_v5_arms_differ_only_in_the_arm() -> None:
+    """Science v5 (reproductions.md section 9): 1,000 steps with a cosine to 1e-5, a grid to
+    lr 10, fresh seeds 500-504, and nothing but the arm's field (and name) differs."""
+    import yaml
+
+    arms = {
+        "none": {},
+        "qk_layernorm": {"model": {"qk_norm": "layernorm"}},
+        "zloss": {"z_loss_coef": 0.0001},
+        "sigma_all": {"model": {"sigma_reparam": "all"}},
+    }
+    raw = {a: yaml.safe_load((DEFS[0].parent / f"instability_v5_{a}.yaml").read_text())
+           for a in arms}  # fmt: skip
+    for arm, over in arms.items():
+        spec = _spec(f"instability_v5_{arm}.yaml")
+        assert spec.base.steps == 1000 and spec.base.optim.warmup_steps == 100
+        assert spec.base.optim.min_lr == pytest.approx(1e-5) and spec.base.eval_at_init
+        assert spec.search_space["optim.lr"].grid[-1] == 10.0
+        assert spec.search_space["seed"].grid == [500, 501, 502, 503, 504]
+        d = {k: v for k, v in raw[arm].items() if k not in ("name", "description")}
+        want = {k: v for k, v in raw["none"].items() if k not in ("name", "description")}
+        want["base"] = {**want["base"], "model": {**want["base"]["model"]}}
+        for k, v in over.items():
+            if isinstance(v, dict):
+                want["base"][k].update(v)
+            else:
+                want["base"][k] = v
+        assert d == want, arm
