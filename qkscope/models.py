@@ -239,6 +239,9 @@ class LrGroup:
     seeds: list[dict[str, Any]] = field(default_factory=list)  # per seed: l0, l_star, losses
     left_out: list[dict[str, Any]] = field(default_factory=list)  # seed, reason, missing_lrs
     repeated: int = 0
+    l_star: float | None = None  # mean over the sensitivity's seeds of their best loss
+    unigram_floor: float | None = None  # the data's unigram cross-entropy (METRICS.md 9)
+    note: str | None = None  # set when l* is not below the floor, or why there is none
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

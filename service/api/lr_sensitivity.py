@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
-from service.api.deps import SessionDep, StudyDep
+from service.api.deps import SessionDep, SettingsDep, StudyDep
 from service.api.schemas import ErrorBody
 from service.read.lr_sensitivity import study_lr_sensitivity
 
@@ -54,6 +54,15 @@ class GroupOut(BaseModel):
     seeds: list[SeedOut]
     left_out: list[LeftOutOut] = Field(description="seeds left out, each with why")
     repeated: int = Field(description="finished trials beyond the first of a (seed, eta)")
+    l_star: float | None = Field(description="mean over the sensitivity's seeds of their l*")
+    unigram_floor: float | None = Field(
+        description="cross-entropy of the training split's token frequencies on the "
+        "evaluation targets (METRICS.md 9); None where the task has no corpus"
+    )
+    note: str | None = Field(
+        description="set when l* is not below the unigram floor (the group says nothing "
+        "about attention), or why there is no floor"
+    )
 
 
 class LrSensitivityOut(BaseModel):
@@ -81,6 +90,7 @@ class LrSensitivityOut(BaseModel):
 def get_lr_sensitivity(
     session: SessionDep,
     study: StudyDep,
+    settings: SettingsDep,
     group_by: Annotated[list[str] | None, Query(max_length=64)] = None,
 ) -> LrSensitivityOut:
     """Learning-rate sensitivity (METRICS.md section 9) of each group of trials that differ
@@ -88,6 +98,8 @@ def get_lr_sensitivity(
     the mean over seeds with a 95 % Student-t interval, beside the curve `l(eta)` (median,
     quartiles and range over seeds) and `l_0`. `group_by` (repeatable) names the parameters
     that make the groups; default every searched parameter but optim.lr and seed. A seed
-    missing a grid point is left out of the sensitivity and listed with why (`left_out`)."""
-    result = study_lr_sensitivity(session, study, group_by)  # LrSensitivityError: a 422
+    missing a grid point is left out of the sensitivity and listed with why (`left_out`).
+    Each group's `l*` stands beside the unigram floor of its data, with a `note` when it is
+    not below it: such a group has not learned what attention is for (METRICS.md 9)."""
+    result = study_lr_sensitivity(session, study, group_by, settings.data_dir)  # 422s
     return LrSensitivityOut.model_validate(dataclasses.asdict(result))

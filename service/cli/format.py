@@ -97,14 +97,16 @@ def lr_sensitivity_table(res: LrSensitivity) -> str:
     ]
     if not res.groups:
         return "\n".join([*out, "no finished trials yet"])
-    rows = [["group", "sensitivity", f"{pct} interval", "l_0", "seeds", "left out"]]
+    rows = [["group", "sensitivity", f"{pct} interval", "l_0", "l*", "unigram floor", "seeds",
+             "left out"]]  # fmt: skip
     for g in res.groups:
         interval = "-" if g.ci_low is None else f"[{_fmt(g.ci_low)}, {_fmt(g.ci_high)}]"
         rows.append(
-            [g.label, _fmt(g.sensitivity), interval, _fmt(g.l0), str(g.n_seeds),
-             str(len(g.left_out))]
+            [g.label, _fmt(g.sensitivity), interval, _fmt(g.l0), _fmt(g.l_star),
+             _fmt(g.unigram_floor), str(g.n_seeds), str(len(g.left_out))]
         )  # fmt: skip
     out += _table(rows)
+    out += [f"{g.label}: {g.note}" for g in res.groups if g.note]
     out += ["", "final validation loss l(eta), median over seeds (n seeds, d diverged):"]
     curve = [["lr", *(g.label for g in res.groups)]]
     for i, eta in enumerate(res.grid):

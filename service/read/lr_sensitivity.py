@@ -29,6 +29,7 @@ Read-only: nothing here writes a row.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import defaultdict
@@ -42,7 +43,10 @@ from sqlalchemy.orm import Session
 from service.errors import InvalidField
 from service.read.intervals import t_interval
 from service.read.summaries import bounded_summary, decode_summary
+from service.spec import SpecError, apply_params, resolve_task
 from service.store import NO_INDEX, Metric, Study, Trial, TrialState
+from workers.config import TrialConfig
+from workers.unigram import unigram_floor
 
 __all__ = [
     "CONFIDENCE",
@@ -59,6 +63,7 @@ __all__ = [
     "seed_sensitivity",
     "study_lr_sensitivity",
     "summarize_group",
+    "with_floor",
 ]
 
 LR_PARAM = "optim.lr"
@@ -144,6 +149,9 @@ class GroupResult:
     seeds: list[SeedResult]
     left_out: list[LeftOut]
     repeated: int = 0  # finished trials beyond the first of a (seed, eta): not used
+    l_star: float | None = None  # mean over the sensitivity's seeds of their l*
+    unigram_floor: float | None = None  # METRICS.md 9: the data's unigram cross-entropy
+    note: str | None = None  # why the group says nothing about attention, or the floor is missing
 
 
 @dataclass(frozen=True)
@@ -252,7 +260,38 @@ def summarize_group(
         iv = t_interval(sens, CONFIDENCE)
         lo, hi = iv.lo, iv.hi
     init = math.fsum(l0_of.values()) / len(l0_of) if l0_of else None
-    return GroupResult(params, len(seeds), mean, lo, hi, init, curve, seeds, left_out, repeated)
+    l_star = math.fsum(s.l_star for s in seeds) / len(seeds) if seeds else None
+    return GroupResult(
+        params, len(seeds), mean, lo, hi, init, curve, seeds, left_out, repeated, l_star
+    )
+
+
+def with_floor(group: GroupResult, floor: float | None, why_none: str | None) -> GroupResult:
+    """The group with the unigram floor beside its `l*`, and the note METRICS.md section 9
+    asks for when `l*` is not below it (or why there is no floor)."""
+    note = why_none
+    if floor is not None and group.l_star is not None and group.l_star >= floor:
+        note = (
+            f"l* {group.l_star:.4g} is not below the unigram floor {floor:.4g} of the data: "
+            "these trials have not learned what attention is for, so draw no conclusion "
+            "about attention from them (METRICS.md section 9)"
+        )
+    return dataclasses.replace(group, unigram_floor=floor, note=note)
+
+
+def group_floor(
+    study: Study, params: dict[str, Any], data_dir: str | None
+) -> tuple[float | None, str | None]:
+    """The unigram floor of a group's data (`workers/unigram.py`), or None with the reason:
+    not language modelling, or the data cannot be read where the service runs."""
+    try:
+        config = apply_params(TrialConfig.model_validate(study.spec["base"]), params)
+        if config.task.kind != "lm":
+            return None, f"task {config.task.kind!r} has no corpus, so no unigram floor"
+        config = config.model_copy(update={"task": resolve_task(config.task, data_dir)})
+        return unigram_floor(config), None
+    except (SpecError, OSError, ValueError, KeyError) as e:
+        return None, f"the unigram floor could not be computed: {e}"
 
 
 # --- the study: validation and reading its rows -----------------------------------------------
@@ -371,11 +410,15 @@ def _diverged(state: str, summary: dict[str, Any] | None, loss: float | None) ->
 
 
 def study_lr_sensitivity(
-    session: Session, study: Study, group_by: Sequence[str] | None = None
+    session: Session,
+    study: Study,
+    group_by: Sequence[str] | None = None,
+    data_dir: str | None = None,
 ) -> LrSensitivity:
     """The study's LR sensitivity per group of `group_by` values (default: every searched
-    parameter but optim.lr and seed). Raises LrSensitivityError naming `optim.lr`,
-    `group_by` or `base.eval_at_init` for a study it cannot answer."""
+    parameter but optim.lr and seed), each beside the unigram floor of its data (read under
+    `data_dir`, the service's QKSCOPE_DATA_DIR). Raises LrSensitivityError naming
+    `optim.lr`, `group_by` or `base.eval_at_init` for a study it cannot answer."""
     grid = _grid(study)
     names = _group_by(study, group_by)
     _measures_init(study)
@@ -412,7 +455,10 @@ def study_lr_sensitivity(
             )
         )
     results = [
-        summarize_group(values[k], grid, groups.get(k, []), unfinished.get(k))
+        with_floor(
+            summarize_group(values[k], grid, groups.get(k, []), unfinished.get(k)),
+            *group_floor(study, values[k], data_dir),
+        )
         for k in sorted(values, key=repr)
     ]
     return LrSensitivity(study.id, names, grid, _log_spaced(grid), CONFIDENCE, results)

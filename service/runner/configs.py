@@ -16,7 +16,7 @@ from typing import Any
 import optuna
 
 from service.config import Settings
-from service.spec import StudySpec, apply_params
+from service.spec import StudySpec, apply_params, resolve_task
 from workers.config import TrialConfig
 from workers.fusion_plan import FusionError, auto_fuse, check_fusable, fusion_key
 from workers.metric_names import SUMMARY_BY_NAME
@@ -54,11 +54,7 @@ def trial_config(
     claimed by `owner`'s trial (a directory another study left there is emptied first).
     Raises `service.spec.SpecError` when the parameters give no valid config."""
     config = apply_params(spec.base, params)
-    task = config.task
-    if task.data_dir and not Path(task.data_dir).is_absolute() and settings.data_dir:
-        task = task.model_copy(update={"data_dir": str(Path(settings.data_dir) / task.data_dir)})
-    # where the worker checks the data again when it opens it (workers/tasks_lm.py)
-    task = task.model_copy(update={"data_root": settings.data_dir or None})
+    task = resolve_task(config.task, settings.data_dir)
     ckpt_dir = Path(settings.resolved_checkpoint_dir()) / f"study-{study_id}" / f"trial-{number}"
     return config.model_copy(
         update={

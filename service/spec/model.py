@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -26,7 +27,7 @@ from pydantic import (
 )
 
 from service.errors import InvalidField
-from workers.config import TrialConfig, TrialSummary
+from workers.config import TaskConfig, TrialConfig, TrialSummary
 from workers.metric_names import INTERMEDIATE_SUMMARIES, OBJECTIVE_SUMMARIES
 
 __all__ = [
@@ -488,6 +489,15 @@ def apply_params(base: TrialConfig, params: dict[str, Any]) -> TrialConfig:
     except ValidationError as e:
         err = e.errors()[0]
         raise SpecError(".".join(str(x) for x in err["loc"]) or "base", err["msg"]) from None
+
+
+def resolve_task(task: TaskConfig, data_dir: str | None) -> TaskConfig:
+    """The task as a worker opens it: a relative `data_dir` under the service's data
+    directory (QKSCOPE_DATA_DIR), and that directory as the root the data must stay inside
+    (`task.data_root`, checked again where the files are opened)."""
+    if task.data_dir and not Path(task.data_dir).is_absolute() and data_dir:
+        task = task.model_copy(update={"data_dir": str(Path(data_dir) / task.data_dir)})
+    return task.model_copy(update={"data_root": data_dir or None})
 
 
 def vocab_size(config: TrialConfig) -> int:

@@ -163,7 +163,14 @@ def test_stop_ends_a_head_orphaned_by_kill_9(tmp_path: Path) -> None:
 def test_lr_sensitivity_table(
     app_settings: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.service.lr_seed import expected_group, seed_lr_study
+    from tests.service.lr_seed import (
+        E2E_GRID,
+        SEEDS,
+        expected_group,
+        final_of,
+        l0_of,
+        seed_lr_study,
+    )
 
     sid = seed_lr_study(engine, "cli-lr-sens")
     with live_api(app_settings, monkeypatch) as url:
@@ -179,6 +186,12 @@ def test_lr_sensitivity_table(
             (row,) = [ln for ln in lines if ln.startswith(f"model.qk_norm={norm} ")]
             assert f"{want['mean']:.4g}" in row
             assert f"[{want['lo']:.4g}, {want['hi']:.4g}]" in row
+            l_star = [
+                min(l0_of(norm, s) if v is None else v
+                    for v in (final_of(norm, s, eta) for eta in E2E_GRID))
+                for s in SEEDS
+            ]  # fmt: skip
+            assert f"{sum(l_star) / len(l_star):.4g}" in row  # l*, beside the unigram floor
         assert any("seed 3 left out" in ln and "RUNNING" in ln for ln in lines)
         assert any(ln.startswith("1 ") and "3d" in ln for ln in lines)  # lr 1: 3 diverged
         bad = qkscope("lr-sensitivity", str(sid), "--group-by", "nope", env=env, cwd=tmp_path)

@@ -218,3 +218,73 @@ def test_the_shipped_definition_is_a_study_the_route_answers() -> None:
     assert spec.base.eval_at_init and spec.base.task.kind == "lm"
     assert spec.pruner.kind == "none" and spec.constraints == []
     assert len(set(spec.search_space["seed"].grid or [])) >= 5
+
+
+# --- the unigram floor beside l* (METRICS.md section 9) ------------------------------------------
+
+
+def _char_corpus(directory: Any, train: str, valid: str) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "train.txt").write_text(train)
+    (directory / "valid.txt").write_text(valid)
+    return str(directory)
+
+
+def test_unigram_floor_by_hand(tmp_path: Any) -> None:
+    """Char-level training text "aaabaaab" (a 6 times, b 2 times; vocabulary <unk>, a, b),
+    one evaluation window of "abba" (context 3): targets b, b, a. With add-one smoothing
+    p(a) = 7/11, p(b) = 3/11, so the floor is -(2 log 3/11 + log 7/11) / 3."""
+    from workers.config import TrialConfig
+    from workers.unigram import unigram_floor
+
+    data = _char_corpus(tmp_path / "ab", "aaabaaab", "abba")
+    task = {"kind": "lm", "data_dir": data, "tokenizer": "char", "seq_len": 3}
+    config = TrialConfig.model_validate({"task": task, "batch_size": 1, "eval_batches": 1})
+    want = -(2 * math.log(3 / 11) + math.log(7 / 11)) / 3
+    assert unigram_floor(config) == pytest.approx(want, rel=1e-12)
+    synthetic = TrialConfig.model_validate({"task": {"kind": "associative_recall"}})
+    assert unigram_floor(synthetic) is None
+
+
+@pytest.mark.parametrize(("letters", "below"), [(2, False), (40, True)])
+def test_route_sets_the_floor_beside_l_star(
+    client: TestClient, engine: Engine, tmp_path: Any, letters: int, below: bool
+) -> None:
+    """The seeded grid's l* is about 3.1 nats. On two letters the floor is about 1 nat, so
+    l* is not below it and each group says so; on 40 letters equally often it is log 41 =
+    3.71 (add-one: every count n + 1 of 40 n + 41), above l*, and no note is set."""
+    from service.store import Store
+    from service.store.session import make_sessionmaker
+    from tests.service.lr_seed import write_trial
+
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"[:letters]
+    data = _char_corpus(tmp_path / f"c{letters}", alphabet * 5, alphabet * 5)
+    base = {"steps": 100, "eval_every": 50, "eval_at_init": True, "batch_size": 1,
+            "eval_batches": 1, "task": {"kind": "lm", "data_dir": data, "tokenizer": "char",
+                                        "seq_len": 8}}  # fmt: skip
+    store = Store(make_sessionmaker(engine))
+    study, _ = store.studies.create(parse_spec(
+        __import__("json").dumps(lr_spec(f"floor-{letters}", base=base)).encode(), "json"
+    ))  # fmt: skip
+    n = 0
+    for norm in NORMS:
+        for seed in SEEDS:
+            for eta in E2E_GRID:
+                write_trial(store, int(study.id), n, norm, seed, eta, "COMPLETE")
+                n += 1
+    # an independent floor: the 8 targets after the first character, each letter 5 times in
+    # training (letters == 2: targets b a b a b a b a; counts 5 + 1 of 10 + 3 = 13)
+    targets = (alphabet * 5)[1:9]
+    counts = {c: 5 for c in alphabet}
+    floor = -sum(math.log((counts[c] + 1) / (5 * letters + letters + 1)) for c in targets) / 8
+    body = get(client, int(study.id)).json()
+    for g in body["groups"]:
+        assert g["unigram_floor"] is not None, g["note"]
+        assert g["unigram_floor"] == pytest.approx(floor, rel=1e-12)
+        assert g["l_star"] == pytest.approx(
+            sum(min(final_of(g["params"]["model.qk_norm"], s, e) or math.inf for e in E2E_GRID)
+                for s in SEEDS) / len(SEEDS)
+        )  # fmt: skip
+        assert (g["note"] is None) is below
+        assert below or "not below the unigram floor" in g["note"]
+    assert (g["l_star"] < floor) is below
