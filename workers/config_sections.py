@@ -472,6 +472,18 @@ class ModelConfig(BaseModel):
             "scale only: per trial, fusable."
         ),
     )
+    qkv_init: Literal["normal", "fairseq"] = Field(
+        "normal",
+        description=(
+            "normal: q and k drawn with std qk_init_std, v with 0.02 (GPT). fairseq: "
+            "fairseq's MultiheadAttention init (Bao et al.'s model): q, k and v "
+            "xavier_uniform with gain 1/sqrt(2) (std 1/sqrt(2 d_model) for square "
+            "projections, 0.0625 at d_model 128, ~3 x the 0.02 draw, so W_QK starts ~10 x "
+            "larger) and the output projection xavier_uniform with gain 1; drawn after every "
+            "other weight, so the rest of the model is the normal draw. Refused with a "
+            "qk_init_std other than 0.02 (both set the query/key scale)."
+        ),
+    )
     embed_scale: Literal["none", "sqrt_d"] = Field(
         "none",
         description=(
@@ -591,6 +603,13 @@ class ModelConfig(BaseModel):
                 "sigma_reparam: all already reparametrises the query and key projections; "
                 "use qk_norm: none (or layernorm/rmsnorm) with it, or qk_norm: sigma_reparam "
                 "alone for the query/key-only variant",
+            )
+        if self.qkv_init == "fairseq" and self.qk_init_std != 0.02:
+            raise _refuse(
+                type(self).__name__,
+                ("qkv_init",),
+                self.qkv_init,
+                "qkv_init: fairseq sets the query/key init itself; leave qk_init_std at 0.02",
             )
         if self.embed_scale != "none" and self.init_scheme == "token_scale":
             raise _refuse(

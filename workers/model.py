@@ -306,6 +306,13 @@ class GPT(QKModel):
                 nn.init.normal_(proj.weight, mean=0.0, std=self.cfg.qk_init_std)
         if self.cfg.init_scheme == "token_scale":
             self._rescale_for_token_scale()
+        if self.cfg.qkv_init == "fairseq":  # drawn last: every other weight as before
+            for block in self.blocks:
+                assert isinstance(block, Block)
+                a = block.attn
+                for proj in (a.q_proj, a.k_proj, a.v_proj):
+                    nn.init.xavier_uniform_(proj.weight, gain=2**-0.5)
+                nn.init.xavier_uniform_(a.out_proj.weight)
         if self.cfg.embed_scale == "sqrt_d":  # fairseq: std 1/sqrt(D), no extra draw
             with torch.no_grad():
                 self.tok_emb.weight.mul_(self.cfg.d_model**-0.5 / 0.02)

@@ -29,9 +29,15 @@ def config_hash(config: TrialConfig) -> str:
     and `task.data_root` (where a run keeps its checkpoints, or the data directory it was
     confined to, says nothing about what it computes)."""
     exclude: dict[str, Any] = {"checkpoint": True, "task": {"data_root"}}
+    model: set[str] = set()
     if config.model.kind == "builtin":  # the hash of a builtin config predates model kinds
-        exclude["model"] = {"kind", "hf"}
-    if config.optim.min_lr is None:  # likewise the hash of a config without a cosine floor
+        model |= {"kind", "hf"}
+    # Options added later leave the hash of a config that does not use them unchanged.
+    if config.model.qkv_init == "normal":
+        model.add("qkv_init")
+    if model:
+        exclude["model"] = model
+    if config.optim.min_lr is None:
         exclude["optim"] = {"min_lr"}
     data = config.model_dump(mode="json", by_alias=True, exclude=exclude)
     blob = json.dumps(data, sort_keys=True, separators=(",", ":"))

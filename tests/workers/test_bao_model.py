@@ -112,3 +112,40 @@ def test_embed_scale_with_token_scale_init_is_refused_by_name() -> None:
     with pytest.raises(ValidationError) as err:
         ModelConfig(embed_scale="sqrt_d", init_scheme="token_scale")
     assert "embed_scale" in str(err.value)
+
+
+def test_qkv_init_fairseq_is_xavier_uniform_at_gain_one_over_sqrt_2() -> None:
+    """fairseq's MultiheadAttention.reset_parameters: q, k, v xavier_uniform with gain
+    1/sqrt(2), the output projection with gain 1: uniform on [-a, a] with a = gain *
+    sqrt(6 / (fan_in + fan_out)), std a / sqrt(3) (0.0625 for q, k, v at D = 128). Every other
+    weight is the normal draw, bit for bit, and the config hash of the default is unchanged."""
+    from workers.config import TrialConfig
+    from workers.provenance import config_hash
+
+    d, v, t = 128, 50, 6
+    torch.manual_seed(3)
+    plain = GPT(ModelConfig(n_layers=2, n_heads=2, d_model=d, d_ff=d, norm="post"), v, t)
+    torch.manual_seed(3)
+    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=d, d_ff=d, norm="post", qkv_init="fairseq")
+    fair = GPT(cfg, v, t)
+    bound = {"q_proj": 2**-0.5 * math.sqrt(6 / (2 * d)), "out_proj": math.sqrt(6 / (2 * d))}
+    bound["k_proj"] = bound["v_proj"] = bound["q_proj"]
+    for (name, p0), (_, p1) in zip(plain.named_parameters(), fair.named_parameters(), strict=True):
+        proj = name.split(".")[-2] if name.endswith("proj.weight") else None
+        if proj in bound:
+            w = p1.detach().double()
+            assert w.abs().max().item() <= bound[proj]
+            assert w.std().item() == pytest.approx(bound[proj] / math.sqrt(3), rel=0.03), name
+            # uniform, not normal: the fourth standardized moment is 1.8 (normal: 3)
+            z = (w - w.mean()) / w.std()
+            assert z.pow(4).mean().item() == pytest.approx(1.8, abs=0.1), name
+        else:
+            assert torch.equal(p0, p1), name
+    assert bound["q_proj"] / math.sqrt(3) == pytest.approx(0.0625)
+    with pytest.raises(ValidationError) as err:
+        ModelConfig(qkv_init="fairseq", qk_init_std=0.1)
+    assert "qkv_init" in str(err.value)
+    base = TrialConfig()
+    explicit = TrialConfig.model_validate({"model": {"qkv_init": "normal"}})
+    other = TrialConfig.model_validate({"model": {"qkv_init": "fairseq"}})
+    assert config_hash(base) == config_hash(explicit) != config_hash(other)
