@@ -310,9 +310,10 @@ class GPT(QKModel):
             for block in self.blocks:
                 assert isinstance(block, Block)
                 a = block.attn
-                for proj in (a.q_proj, a.k_proj, a.v_proj):
-                    nn.init.xavier_uniform_(proj.weight, gain=2**-0.5)
-                nn.init.xavier_uniform_(a.out_proj.weight)
+                for proj in (a.q_proj, a.k_proj, a.v_proj, a.out_proj):
+                    assert isinstance(proj, nn.Linear | SigmaReparamLinear)
+                    gain = 1.0 if proj is a.out_proj else 2**-0.5
+                    nn.init.xavier_uniform_(proj.weight, gain=gain)
         if self.cfg.embed_scale == "sqrt_d":  # fairseq: std 1/sqrt(D), no extra draw
             with torch.no_grad():
                 self.tok_emb.weight.mul_(self.cfg.d_model**-0.5 / 0.02)
