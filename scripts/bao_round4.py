@@ -2,6 +2,10 @@
 the service's exports in docs/results/round4/bao/ (trials CSV per study, downloaded over REST).
 
     python scripts/bao_round4.py          # every table of section 5.5, as Markdown
+    python scripts/bao_round4.py --dir docs/results/round5/bao_fairseq   # section 5.6
+
+With `--dir`, the same tables and rules from another run's exports (5.6: the same studies
+with fairseq's q, k, v init, named repro-bao-fairseq-*).
 
 The decision rules are the ones pre-registered in section 5.5 before the run: non-zero mean
 (N1: t > 0 against t = 0 and against variance only, Holm over four; N2: primary cell t = 0.01
@@ -24,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from intervals import SCALE_OF, fisher_two_sided, paired_diffs, scaled_interval, t_interval, tost  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "results" / "round4" / "bao"
+PREFIX = "own"  # the studies' names: repro-bao-own-* (5.5) or repro-bao-fairseq-* (5.6)
 MARGIN = 0.02  # nats, fixed before the run
 COLLAPSE = 0.1  # final min_norm_entropy below it: entropy collapse
 Arm = dict[int, dict[str, Any]]  # seed -> trial row
@@ -119,7 +124,7 @@ def contrast(a: Arm, b: Arm, key: str) -> tuple[str, str, float, bool]:
 
 
 def nonzero_mean() -> None:
-    arms = arms_of("repro-bao-own-nonzero-mean")
+    arms = arms_of(f"repro-bao-{PREFIX}-nonzero-mean")
     print("\n5.5 non-zero mean: manipulation check (final evaluation)\n")
     manipulation(arms)
     print("\n5.5 non-zero mean: endpoints per arm ([95 %]; entropy, top-1 mass: logit scale)\n")
@@ -156,7 +161,7 @@ def nonzero_mean() -> None:
 
 
 def trainability() -> None:
-    arms = arms_of("repro-bao-own-trainability")
+    arms = arms_of(f"repro-bao-{PREFIX}-trainability")
     print("\n5.5 trainability: manipulation check (final evaluation)\n")
     manipulation(arms)
     count: dict[str, tuple[int, int]] = {}
@@ -184,6 +189,10 @@ def trainability() -> None:
 
 
 def main() -> None:
+    global OUT, PREFIX
+    if len(sys.argv) == 3 and sys.argv[1] == "--dir":
+        OUT = Path(sys.argv[2]).resolve()
+        PREFIX = "fairseq"
     print("studies:", studies())
     nonzero_mean()
     trainability()

@@ -398,3 +398,16 @@ def test_instability_v5_arms_differ_only_in_the_arm() -> None:
             else:
                 want["base"][k] = v
         assert d == want, arm
+
+
+def test_bao_fairseq_rerun_differs_only_in_the_init() -> None:
+    """reproductions.md 5.6: section 5.5's four studies with fairseq's q, k, v init, nothing
+    else changed (seeds, steps, arms, rules)."""
+    import yaml
+
+    for f in ("trainability", "trainability_controls", "nonzero_mean", "nonzero_mean_controls"):
+        own = yaml.safe_load((DEFS[0].parent / f"repro_bao_own_{f}.yaml").read_text())
+        fair = yaml.safe_load((DEFS[0].parent / f"repro_bao_fairseq_{f}.yaml").read_text())
+        assert fair.pop("name") == own.pop("name").replace("-own-", "-fairseq-")
+        assert fair["base"]["model"].pop("qkv_init") == "fairseq"
+        assert fair == own, f
