@@ -67,7 +67,8 @@ def report(directory: Path) -> str:
     stats = {a: it.arm_stats(arms[a], grid) for a in ARMS if a in arms}
     out = [f"studies: {ids}", f"grid: {grid}", f"unigram floor u = {u:.4f} nats", ""]
 
-    out += ["| arm | seeds | median l* (min-max) | testable (< u - 0.25) | LR sensitivity [95 %] | best lr (seed-median curve) |",
+    out += ["| arm | seeds | median l* (min-max) | testable (< u - 0.25) | "
+            "LR sensitivity [95 %] | best lr (seed-median curve) |",
             "|---|---|---|---|---|---|"]  # fmt: skip
     testable = {}
     for a, st in stats.items():
@@ -88,8 +89,8 @@ def report(directory: Path) -> str:
     out += ["", f"floor requirement (9.1 rule 1): best arm {best_arm}, "
             f"{'met' if testable[best_arm] else 'NOT met'}", ""]  # fmt: skip
 
-    out += ["| arm - none (paired by seed) | LR sensitivity difference [95 %] | p | Holm p | verdict |",
-            "|---|---|---|---|---|"]  # fmt: skip
+    out += ["| arm - none (paired by seed) | LR sensitivity difference [95 %] | p | Holm p "
+            "| verdict |", "|---|---|---|---|---|"]  # fmt: skip
     others = [a for a in ARMS[1:] if a in stats]
     diffs = {
         a: it.paired(
