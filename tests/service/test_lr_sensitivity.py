@@ -232,15 +232,15 @@ def _char_corpus(directory: Any, train: str, valid: str) -> str:
 
 def test_unigram_floor_by_hand(tmp_path: Any) -> None:
     """Char-level training text "aaabaaab" (a 6 times, b 2 times; vocabulary <unk>, a, b),
-    one evaluation window of "abba" (context 3): targets b, b, a. With add-one smoothing
-    p(a) = 7/11, p(b) = 3/11, so the floor is -(2 log 3/11 + log 7/11) / 3."""
+    one evaluation window of "abbab" (context 4): targets b, b, a, b. With add-one smoothing
+    p(a) = 7/11, p(b) = 3/11, so the floor is -(3 log 3/11 + log 7/11) / 4."""
     from workers.config import TrialConfig
     from workers.unigram import unigram_floor
 
-    data = _char_corpus(tmp_path / "ab", "aaabaaab", "abba")
-    task = {"kind": "lm", "data_dir": data, "tokenizer": "char", "seq_len": 3}
+    data = _char_corpus(tmp_path / "ab", "aaabaaab", "abbab")
+    task = {"kind": "lm", "data_dir": data, "tokenizer": "char", "seq_len": 4}
     config = TrialConfig.model_validate({"task": task, "batch_size": 1, "eval_batches": 1})
-    want = -(2 * math.log(3 / 11) + math.log(7 / 11)) / 3
+    want = -(3 * math.log(3 / 11) + math.log(7 / 11)) / 4
     assert unigram_floor(config) == pytest.approx(want, rel=1e-12)
     synthetic = TrialConfig.model_validate({"task": {"kind": "associative_recall"}})
     assert unigram_floor(synthetic) is None
