@@ -1025,7 +1025,11 @@ def test_a_blown_up_run_is_drawn_at_l0_marked_with_its_raw_loss(
     assert "null" not in names and "unclassified" in names, names
     (marked,) = [pts for name, pts in drawn if name.startswith("above l")]
     assert sorted(marked) == [[pytest.approx(BLOWUP_L0), 137.0], [pytest.approx(BLOWUP_L0), 284.0]]
-    page.shot("lr_sensitivity_blowup")
+    out = os.environ.get("QKSCOPE_UI_SCREENSHOTS")
+    if out:  # docs/ui/lr_sensitivity_blowup.png
+        p.locator(f"#lrsens-panel-{sid}").screenshot(
+            path=str(Path(out) / "lr_sensitivity_blowup.png")
+        )
 
     # The trial's loss plot: its own l_0 (step 0) as ceiling; the blow-up marked.
     tid = ids[max(blown, key=lambda eta: blown[eta])]
@@ -1042,7 +1046,6 @@ def test_a_blown_up_run_is_drawn_at_l0_marked_with_its_raw_loss(
     )
     assert marked["val_loss above l\u2080"] == [[75, 71.0], [100, 284.0]]
     assert [st for st, _ in marked["train_loss above l\u2080"]] == [1, 75, 100]
-    page.shot("trial_blowup")
     assert page.errors == [], page.errors
 
 
