@@ -1060,3 +1060,36 @@ def chart_point_xy_value(p: Any, chart_id: str, series: int, index: int) -> tupl
     )
     box = p.locator(f"#{chart_id}").bounding_box()
     return box["x"] + xy[0], box["y"] + xy[1]
+
+
+def test_without_a_step_0_a_trial_loss_axis_ends_at_its_first_losses(
+    page: Page, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    """The quickstart study evaluates from step 50 (no eval_at_init): the loss plot's ceiling
+    is the larger of the trial's first stored val_loss and train_loss, read here from the
+    database, and the dashed line says there was no step 0."""
+    _, engine, seeded = db
+    tid = seeded.trial_ids[3]
+    firsts = []
+    with Session(engine) as s:
+        for name in ("val_loss", "train_loss"):
+            step = s.execute(
+                select(func.min(Metric.step)).where(Metric.trial_id == tid, Metric.name == name)
+            ).scalar_one()
+            assert step == ui_seed.STEPS[0] > 0
+            firsts.append(
+                s.execute(
+                    select(Metric.value).where(
+                        Metric.trial_id == tid, Metric.name == name, Metric.step == step
+                    )
+                ).scalar_one()
+            )
+    p = page.open(f"#/trials/{tid}", "trial")
+    loss = f"loss-{tid}"
+    p.wait_for_function(f"() => window.qkCharts.get('{loss}')", timeout=WAIT_MS)
+    assert float(p.get_attribute(f"#{loss}", "data-ceiling")) == max(firsts)
+    line = p.evaluate(f"() => window.qkCharts.get('{loss}').getOption().series[0].markLine.data[0]")
+    assert line["yAxis"] == max(firsts) and line["name"].startswith("no step 0")
+    lo, hi = y_extent(p, loss)
+    assert max(firsts) <= hi < max(firsts) + 0.1 * (max(firsts) - lo)
+    assert page.errors == [], page.errors

@@ -128,13 +128,21 @@ async function drawHeads(p) {
 
 /** The ceiling of the loss plot (charts.js, the loss-axis rule): l_0, the trial's step-0
  *  validation loss (its val_loss row at step 0, else the summary's init_val_loss); without
- *  one, its first evaluation's val_loss. {y, label}, or null when no val_loss is stored. */
+ *  one, the larger of its first stored val_loss and train_loss (the first train loss is that
+ *  of a model that has taken one step, so the early descent stays on the axis).
+ *  {y, label}, or null when no loss is stored. */
 export function lossCeiling(series, summary) {
   const val = (series.val_loss || [])[0];
   if (val && val.steps[0] === 0 && Number.isFinite(val.values[0])) return {y: val.values[0], label: 'l\u2080 (step 0)'};
   if (Number.isFinite(summary?.init_val_loss)) return {y: summary.init_val_loss, label: 'l\u2080 (step 0)'};
-  const k = val ? val.values.findIndex((v) => Number.isFinite(v)) : -1;
-  return k < 0 ? null : {y: val.values[k], label: `first evaluation (step ${val.steps[k]})`};
+  const firsts = ['val_loss', 'train_loss'].map((n) => {
+    const s = (series[n] || [])[0];
+    const k = s ? s.values.findIndex((v) => Number.isFinite(v)) : -1;
+    return k < 0 ? null : {y: s.values[k], step: s.steps[k]};
+  }).filter(Boolean);
+  if (!firsts.length) return null;
+  const top = firsts.reduce((a, b) => (b.y > a.y ? b : a));
+  return {y: top.y, label: `no step 0: first loss (step ${top.step})`};
 }
 
 /** A `<=` bound of the study's constraints on the logit summaries, or null. */
