@@ -211,7 +211,9 @@ class Importance:
 
 @dataclass(frozen=True)
 class LrCurvePoint:
-    """The final loss `l(eta)` over seeds at one learning rate (diverged trials as their l_0)."""
+    """The final loss `l(eta)` over seeds at one learning rate (diverged trials as their l_0),
+    and the median and range of `min(l, l_0)` per seed (`clipped_*`: what the sensitivity
+    uses) with how many seeds ended above their l_0."""
 
     lr: float
     n: int  # seeds with a final loss here
@@ -221,6 +223,10 @@ class LrCurvePoint:
     q75: float | None = None
     min: float | None = None
     max: float | None = None
+    above_l0: int = 0
+    clipped_median: float | None = None
+    clipped_min: float | None = None
+    clipped_max: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -27,6 +27,14 @@ class CurvePointOut(BaseModel):
     q75: float | None
     min: float | None
     max: float | None
+    above_l0: int = Field(
+        description="of the n, seeds whose finite final loss lies above their l_0 (clipped)"
+    )
+    clipped_median: float | None = Field(
+        description="median over seeds of min(l, l_0): what the sensitivity uses"
+    )
+    clipped_min: float | None
+    clipped_max: float | None
 
 
 class SeedOut(BaseModel):

@@ -11,6 +11,10 @@ For one group of trials that differ only in `optim.lr` and seed, per seed:
 - `l* = min over eta of l(eta)`;
 - `LR sensitivity = mean over the grid's eta of [min(l(eta), l_0) - l*]`.
 
+The curve gives `l(eta)` as it is (median, quartiles, range over seeds) and the median and
+range of `min(l(eta), l_0)` per seed (`clipped_*`, with how many seeds lay above their `l_0`):
+the part of the curve the definition uses, which the web UI draws.
+
 Per group: the mean over seeds with a Student-t interval (service/read/intervals.py, the
 same helper the reproduction tables use), the curve `l(eta)` as median and spread over seeds
 at each `eta`, and `l_0` (the mean of the seeds' step-0 losses).
@@ -125,7 +129,10 @@ class LeftOut:
 
 @dataclass(frozen=True)
 class CurvePoint:
-    """`l(eta)` over the seeds at one learning rate (diverged trials counted as their l0)."""
+    """`l(eta)` over the seeds at one learning rate (diverged trials counted as their l0),
+    and the same statistics of `min(l(eta), l_0)` per seed (`clipped_*`): what the
+    sensitivity uses, and what the web UI draws, so that a run that blew up to hundreds of
+    nats without going non-finite does not set the plot's scale."""
 
     lr: float
     n: int  # seeds with a point here
@@ -135,6 +142,10 @@ class CurvePoint:
     q75: float | None
     min: float | None
     max: float | None
+    above_l0: int = 0  # of the n, finite final losses above their seed's l_0
+    clipped_median: float | None = None  # of min(l, l_0) over the seeds
+    clipped_min: float | None = None
+    clipped_max: float | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +250,7 @@ def summarize_group(
     curve = []
     for eta in grid:
         vals = []
+        clipped = []
         n_div = 0
         for seed, l0 in l0_of.items():
             p = by_seed[seed].get(eta)
@@ -247,9 +259,26 @@ def summarize_group(
             bad = p.diverged or not _finite(p.loss)
             n_div += bad
             vals.append(l0 if bad else float(p.loss))  # type: ignore[arg-type]
+            clipped.append(min(vals[-1], l0))
         if vals:
             q25, med, q75 = _quantiles(sorted(vals))
-            curve.append(CurvePoint(eta, len(vals), n_div, med, q25, q75, min(vals), max(vals)))
+            above = sum(c < v for c, v in zip(clipped, vals, strict=True))
+            curve.append(
+                CurvePoint(
+                    eta,
+                    len(vals),
+                    n_div,
+                    med,
+                    q25,
+                    q75,
+                    min(vals),
+                    max(vals),
+                    above,
+                    _quantiles(sorted(clipped))[1],
+                    min(clipped),
+                    max(clipped),
+                )
+            )
         else:
             curve.append(CurvePoint(eta, 0, 0, None, None, None, None, None))
     sens = [s.sensitivity for s in seeds]

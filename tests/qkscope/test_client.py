@@ -338,6 +338,10 @@ def test_lr_sensitivity(qk: Client, engine: Engine) -> None:
         assert (g.ci_low, g.ci_high) == pytest.approx((want["lo"], want["hi"]))
         assert [p.lr for p in g.curve] == E2E_GRID
     assert by_label["model.qk_norm=none"].curve[-1].diverged == 3
+    # lr 0.1 of "none" ends above l0 on every seed (lr_seed.final_of): drawn at l0
+    mid = by_label["model.qk_norm=none"].curve[E2E_GRID.index(0.1)]
+    assert mid.above_l0 == 3 and mid.extra == {}
+    assert mid.clipped_max is not None and mid.max is not None and mid.clipped_max < mid.max
     assert [o["seed"] for o in by_label["model.qk_norm=none"].left_out] == [3]
     assert qk.lr_sensitivity(sid).groups == res.groups  # default: the one other parameter
     df = res.to_pandas()

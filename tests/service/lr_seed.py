@@ -129,3 +129,72 @@ def seed_lr_study(engine: Engine, name: str = "lr-sens") -> int:
     write_trial(store, sid, n + 1, "none", 3, 1e-3, None)
     write_trial(store, sid, n + 2, "none", 3, 1e-2, "PRUNED")
     return sid
+
+
+# --- a new user's first grid up to lr 3 (issue 46, item 6) ------------------------------------
+
+BLOWUP_GRID = [1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0]
+BLOWUP_L0 = 2.9
+# Final validation losses by lr: two runs blew up to hundreds of nats and stayed finite
+# (COMPLETE, not diverged); the last went non-finite (DIVERGED).
+BLOWUP_FINALS: list[float | None] = [2.3, 2.0, 1.8, 1.7, 1.9, 137.0, 284.0, None]
+BLOWUP_STEPS = [0, 25, 50, 75, 100]
+
+
+def blowup_curve(final: float | None) -> list[float]:
+    """val_loss at BLOWUP_STEPS: from l0 down towards `final`, a blown-up run going up only
+    in its last quarter (the non-finite one is NaN from step 75)."""
+    if final is None:
+        return [BLOWUP_L0, 2.5, 2.4, math.nan, math.nan]
+    if final > BLOWUP_L0:
+        return [BLOWUP_L0, 2.5, 2.3, final / 4, final]
+    return [BLOWUP_L0 - (BLOWUP_L0 - final) * f for f in (0.0, 0.6, 0.8, 0.95, 1.0)]
+
+
+def seed_blowup_study(engine: Engine, name: str = "first-grid") -> tuple[int, dict[float, int]]:
+    """One seed of an lr grid up to 3, no description, written through the real store as the
+    runner writes it (step-0 and later val_loss and train_loss rows, then the result). Its
+    id and the trial id of each lr."""
+    store = Store(make_sessionmaker(engine))
+    spec = lr_spec(name)
+    spec["search_space"] = {
+        "optim.lr": {"type": "float", "low": 1e-3, "high": 3.0, "log": True, "grid": BLOWUP_GRID}
+    }
+    spec["budget"] = {"n_trials": len(BLOWUP_GRID)}
+    study, _ = store.studies.create(_parse(spec))
+    sid = int(study.id)
+    ids: dict[float, int] = {}
+    for n, (eta, final) in enumerate(zip(BLOWUP_GRID, BLOWUP_FINALS, strict=True)):
+        rid = store.trials.insert_queued(sid, n, {"optim.lr": eta}, 0)
+        ids[eta] = rid
+        store.trials.record_starts({rid: StartRow("node-a", 1, 1.7e9)})
+        val = blowup_curve(final)
+        rows = [
+            (rid, st, "val_loss", None, None, v) for st, v in zip(BLOWUP_STEPS, val, strict=True)
+        ]
+        rows += [
+            (rid, st or 1, "train_loss", None, None, v * 1.01)
+            for st, v in zip(BLOWUP_STEPS, val, strict=True)
+        ]
+        store.trials.store_reports(rows)
+        diverged = final is None
+        summary = {
+            "status": "diverged" if diverged else "complete",
+            "steps_done": 75 if diverged else 100,
+            "final_val_loss": final,
+            "init_val_loss": BLOWUP_L0,
+            **({"diverged_at_step": 75} if diverged else {}),
+        }
+        row = ResultRow(
+            state="DIVERGED" if diverged else "COMPLETE",
+            summary=summary,
+            node="node-a",
+            values=[math.nan if final is None else final],
+            feasible=True,
+            last_step=100,
+            started_at=None,
+            finished_at=None,
+            duration_s=1.0,
+        )
+        assert store.trials.record_result(rid, row)
+    return sid, ids

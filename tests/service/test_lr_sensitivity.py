@@ -90,6 +90,11 @@ def test_group_against_a_hand_computation() -> None:
     mid = g.curve[2]
     assert (mid.n, mid.median, mid.min, mid.max) == (4, pytest.approx(3.2), 2.0, 6.0)
     assert (mid.q25, mid.q75) == pytest.approx((2.3, 4.5))
+    # min(l, l0) per seed, what the definition uses: seed 1's 6.0 is drawn at its l0 5.2
+    assert mid.above_l0 == 1
+    assert (mid.clipped_median, mid.clipped_min, mid.clipped_max) == pytest.approx((3.2, 2.0, 5.2))
+    # diverged seeds already count as their l0: nothing above it at lr 1
+    assert top.above_l0 == 0 and top.clipped_max == pytest.approx(5.2)
 
 
 def test_a_seed_without_step_0_is_left_out_and_one_seed_has_no_interval() -> None:
@@ -140,6 +145,15 @@ def test_api_answers_the_independent_computation(client: TestClient, seeded: int
             assert point["median"] == pytest.approx(statistics.median(vals))
             assert (point["min"], point["max"]) == pytest.approx((min(vals), max(vals)))
             assert point["diverged"] == (3 if norm == "none" and eta == 1.0 else 0)
+            seeds = SEEDS + [3] if norm == "none" and eta == 1e-4 else SEEDS
+            l0s = [l0_of(norm, s) for s in seeds]
+            clipped = [min(v, l0) for v, l0 in zip(vals, l0s, strict=True)]
+            assert point["above_l0"] == sum(v > l0 for v, l0 in zip(vals, l0s, strict=True))
+            assert point["above_l0"] == (3 if norm == "none" and eta == 0.1 else 0)
+            assert point["clipped_median"] == pytest.approx(statistics.median(clipped))
+            assert (point["clipped_min"], point["clipped_max"]) == pytest.approx(
+                (min(clipped), max(clipped))
+            )
     # qk-layernorm: nothing diverges, so it is the less sensitive group
     assert groups["layernorm"]["sensitivity"] < groups["none"]["sensitivity"]
     (out,) = groups["none"]["left_out"]

@@ -360,6 +360,12 @@ def test_history_running_best_counts_complete_feasible_trials_only(
     assert got["best"] == best
     assert best[-1]["value"] == 1.5  # trial 4 (1.2) is infeasible, trial 2 was pruned
     assert got["objective"] == {"metric": "final_val_loss", "direction": "minimize"}
+    # l0, the web UI's loss-axis ceiling: the largest val_loss at a trial's first evaluated
+    # step, over the trials with metric rows (written here, read back through the route)
+    first = min(STEPS)
+    want = max(metric_value(n, "val_loss", -1, -1, first) for n in METRIC_TRIALS)
+    assert got["l0"] == pytest.approx(want)
+    assert got["l0"] != pytest.approx(metric_value(0, "val_loss", -1, -1, first))  # the max
 
 
 def test_pareto_of_one_objective_ranks_trials_and_agrees_with_best(

@@ -862,8 +862,15 @@ def test_the_lr_sensitivity_panel_draws_what_the_route_answers(
     assert len(lines) == len(bars) == len(want["groups"]) == 2
     for line, bar, g in zip(lines, bars, want["groups"], strict=True):
         curve = [c for c in g["curve"] if c["median"] is not None]
-        assert line["data"] == [[c["lr"], c["median"]] for c in curve]
-        assert bar["data"] == [[c["lr"], c["min"], c["max"]] for c in curve if c["n"] > 1]
+        # min(l, l_0) per seed, what the definition uses (the "none" group's lr 0.1 ends
+        # above l_0: drawn at it)
+        assert line["data"] == [[c["lr"], c["clipped_median"]] for c in curve]
+        assert bar["data"] == [
+            [c["lr"], c["clipped_min"], c["clipped_max"]] for c in curve if c["n"] > 1
+        ]
+        assert any(c["clipped_median"] < c["median"] for c in curve) == (
+            g["params"]["model.qk_norm"] == "none"
+        )
         assert line["l0"] == pytest.approx(g["l0"]) and line["dash"] == "dashed"
         assert line["l0color"] == line["color"]
         label = ", ".join(f"{k}={v}" for k, v in g["params"].items())
@@ -927,4 +934,162 @@ def test_the_stability_boundary_panel_draws_what_the_route_answers(
         p.locator(f"#boundary-panel-{sid}").screenshot(
             path=str(Path(out) / "stability_boundary.png")
         )
+    assert page.errors == [], page.errors
+
+
+def y_extent(p: Any, chart_id: str) -> list[float]:
+    """The y axis range an ECharts chart really drew."""
+    return p.evaluate(
+        f"""() => window.qkCharts.get('{chart_id}').getModel().getComponent('yAxis', 0)
+        .axis.scale.getExtent()"""
+    )
+
+
+def test_a_blown_up_run_is_drawn_at_l0_marked_with_its_raw_loss(
+    page: Page, site: str, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    """Issue 46 (6): a new user's grid up to lr 3, one seed, no description. Two runs blew up
+    to 137 and 284 nats without going non-finite (l_0 is 2.9, the others end at 1.7-2.3):
+    every loss plot ends its y axis about l_0, draws those losses at l_0 as a hollow
+    triangle with the raw value in the tooltip, and the page says no "null"."""
+    from tests.service.lr_seed import (
+        BLOWUP_FINALS,
+        BLOWUP_GRID,
+        BLOWUP_L0,
+        seed_blowup_study,
+    )
+
+    sid, ids = seed_blowup_study(db[1], "ui-first-grid")
+    blown = {eta: f for eta, f in zip(BLOWUP_GRID, BLOWUP_FINALS, strict=True) if f and f > 10}
+    assert sorted(blown.values()) == [137.0, 284.0]
+    low = min(f for f in BLOWUP_FINALS if f is not None)
+    top = BLOWUP_L0 + 0.1 * (BLOWUP_L0 - low)  # l_0 plus a margin, far below 137
+    p = page.open(f"#/studies/{sid}", "lrsens")
+
+    # No description: nothing between the title and the cards, no "null" anywhere.
+    assert p.locator("#study-description").count() == 0
+    text = p.inner_text("#view")
+    assert not re.search(r"\b(null|undefined)\b", text), text[:300]
+    strays = p.evaluate(
+        "() => [...document.getElementById('view').childNodes]"
+        ".filter(n => n.nodeType === 3 && n.textContent.trim()).map(n => n.textContent)"
+    )
+    assert strays == []
+
+    # The LR panel: min(l, l_0), the two blown-up medians at l_0 and marked.
+    chart = f"lrsens-{sid}"
+    lo, hi = y_extent(p, chart)
+    assert BLOWUP_L0 <= hi <= top and lo < low, (lo, hi)
+    pts = p.evaluate(
+        f"""() => window.qkCharts.get('{chart}').getOption().series[0].data.map(d => ({{
+            x: d.value[0], y: d.value[1], symbol: d.symbol || null, raw: d.raw}}))"""
+    )
+    assert [q["x"] for q in pts] == BLOWUP_GRID
+    for q, final in zip(pts, BLOWUP_FINALS, strict=True):
+        want = BLOWUP_L0 if final is None else min(final, BLOWUP_L0)
+        assert q["y"] == pytest.approx(want)
+        assert (q["symbol"] == "emptyTriangle") == (q["x"] in blown), q
+    # Hovering the 284-nat point shows its raw value.
+    i = BLOWUP_GRID.index(max(blown, key=lambda eta: blown[eta]))
+    x, y = chart_point_xy_value(p, chart, 0, i)
+    p.mouse.move(x, y)
+    p.wait_for_function(
+        f"() => document.querySelector('#{chart}').innerText.includes('highest 284')",
+        timeout=WAIT_MS,
+    )
+    tip = p.inner_text(f"#{chart}")
+    assert "1 of 1 above l" in tip and "min(l, l" in tip, tip
+
+    # The optimisation history: the same ceiling (the study's step-0 loss), the two
+    # blown-up trials in the marked series with their raw values.
+    p.wait_for_selector("html[data-readystudycharts]", state="attached", timeout=WAIT_MS)
+    hist = f"history-{sid}"
+    lo, hi = y_extent(p, hist)
+    assert BLOWUP_L0 <= hi <= top, (lo, hi)
+    above = p.evaluate(
+        f"""() => window.qkCharts.get('{hist}').getOption().series
+        .filter(s => s.symbol === 'emptyTriangle')
+        .flatMap(s => s.data.map(d => [d.value[1], d.raw]))"""
+    )
+    assert sorted(above) == [[pytest.approx(BLOWUP_L0), 137.0], [pytest.approx(BLOWUP_L0), 284.0]]
+    # The phase map (y: final_val_loss by default here) under the same rule; a trial without
+    # a collapse class is "unclassified" in its legend, not "null".
+    phase = f"phase-{sid}"
+    lo, hi = y_extent(p, phase)
+    assert BLOWUP_L0 <= hi <= top, (lo, hi)
+    drawn = p.evaluate(
+        f"""() => window.qkCharts.get('{phase}').getOption().series.map(s => [s.name,
+        s.data.map(d => d.raw ? [d.value[1], d.raw[1]] : d[1])])"""
+    )
+    names = [name for name, _ in drawn]
+    assert "null" not in names and "unclassified" in names, names
+    (marked,) = [pts for name, pts in drawn if name.startswith("above l")]
+    assert sorted(marked) == [[pytest.approx(BLOWUP_L0), 137.0], [pytest.approx(BLOWUP_L0), 284.0]]
+    out = os.environ.get("QKSCOPE_UI_SCREENSHOTS")
+    if out:  # docs/ui/lr_sensitivity_blowup.png
+        p.locator(f"#lrsens-panel-{sid}").screenshot(
+            path=str(Path(out) / "lr_sensitivity_blowup.png")
+        )
+
+    # The trial's loss plot: its own l_0 (step 0) as ceiling; the blow-up marked.
+    tid = ids[max(blown, key=lambda eta: blown[eta])]
+    p.evaluate("() => { delete document.documentElement.dataset.readytrial; }")
+    page.open(f"#/trials/{tid}", "trial")
+    loss = f"loss-{tid}"
+    p.wait_for_function(f"() => window.qkCharts.get('{loss}')", timeout=WAIT_MS)
+    lo, hi = y_extent(p, loss)
+    assert BLOWUP_L0 <= hi <= BLOWUP_L0 + 0.1 * (BLOWUP_L0 - 2.3), (lo, hi)
+    marked = p.evaluate(
+        f"""() => Object.fromEntries(window.qkCharts.get('{loss}').getOption().series
+        .filter(s => s.symbol === 'emptyTriangle')
+        .map(s => [s.name, s.data.map(d => [d.value[0], d.raw])]))"""
+    )
+    assert marked["val_loss above l\u2080"] == [[75, 71.0], [100, 284.0]]
+    assert [st for st, _ in marked["train_loss above l\u2080"]] == [1, 75, 100]
+    assert page.errors == [], page.errors
+
+
+def chart_point_xy_value(p: Any, chart_id: str, series: int, index: int) -> tuple[float, float]:
+    """Page coordinates of a data point given as {value: [x, y], ...}."""
+    xy = p.evaluate(
+        """([id, s, i]) => {
+        const c = window.qkCharts.get(id);
+        return c.convertToPixel({seriesIndex: s}, c.getOption().series[s].data[i].value);
+    }""",
+        [chart_id, series, index],
+    )
+    box = p.locator(f"#{chart_id}").bounding_box()
+    return box["x"] + xy[0], box["y"] + xy[1]
+
+
+def test_without_a_step_0_a_trial_loss_axis_ends_at_its_first_losses(
+    page: Page, db: tuple[str, Engine, ui_seed.Seeded]
+) -> None:
+    """The quickstart study evaluates from step 50 (no eval_at_init): the loss plot's ceiling
+    is the larger of the trial's first stored val_loss and train_loss, read here from the
+    database, and the dashed line says there was no step 0."""
+    _, engine, seeded = db
+    tid = seeded.trial_ids[3]
+    firsts = []
+    with Session(engine) as s:
+        for name in ("val_loss", "train_loss"):
+            step = s.execute(
+                select(func.min(Metric.step)).where(Metric.trial_id == tid, Metric.name == name)
+            ).scalar_one()
+            assert step == ui_seed.STEPS[0] > 0
+            firsts.append(
+                s.execute(
+                    select(Metric.value).where(
+                        Metric.trial_id == tid, Metric.name == name, Metric.step == step
+                    )
+                ).scalar_one()
+            )
+    p = page.open(f"#/trials/{tid}", "trial")
+    loss = f"loss-{tid}"
+    p.wait_for_function(f"() => window.qkCharts.get('{loss}')", timeout=WAIT_MS)
+    assert float(p.get_attribute(f"#{loss}", "data-ceiling")) == max(firsts)
+    line = p.evaluate(f"() => window.qkCharts.get('{loss}').getOption().series[0].markLine.data[0]")
+    assert line["yAxis"] == max(firsts) and line["name"].startswith("no step 0")
+    lo, hi = y_extent(p, loss)
+    assert max(firsts) <= hi < max(firsts) + 0.1 * (max(firsts) - lo)
     assert page.errors == [], page.errors

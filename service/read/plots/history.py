@@ -1,11 +1,16 @@
 """`history` plot: the objective value (`objective=` index, default 0) of every trial by trial
-number, with the running best of the COMPLETE feasible trials.
+number, with the running best of the COMPLETE feasible trials; and `l0`, the ceiling of a loss
+axis (the web UI's loss-axis rule, docs/ui.md): the largest over the study's trials of the
+validation loss at the trial's first evaluation, which is l_0 (the untrained model, step 0)
+where the study evaluates at init.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from service.read.plots.common import (
@@ -16,11 +21,32 @@ from service.read.plots.common import (
     trial_rows,
     values_of,
 )
-from service.store import Study, TrialState
+from service.store import NO_INDEX, Metric, Study, Trial, TrialState
 
-__all__ = ["KIND", "data", "draw"]
+__all__ = ["KIND", "data", "draw", "first_val_loss_max"]
 
 KIND = "history"
+
+
+def first_val_loss_max(session: Session, study_id: int) -> float | None:
+    """The largest over the study's trials of the `val_loss` row at the trial's first
+    evaluated step (step 0 with `eval_at_init`: l_0); None when no trial has one."""
+    scalar = (Metric.name == "val_loss", Metric.layer == NO_INDEX, Metric.head == NO_INDEX)
+    first = (
+        select(Metric.trial_id, func.min(Metric.step).label("step"))
+        .join(Trial, Trial.id == Metric.trial_id)
+        .where(Trial.study_id == study_id, *scalar)
+        .group_by(Metric.trial_id)
+        .subquery()
+    )
+    value = session.execute(
+        select(func.max(Metric.value))
+        .join(first, and_(Metric.trial_id == first.c.trial_id, Metric.step == first.c.step))
+        .where(*scalar)
+    ).scalar()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
 
 
 def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
@@ -53,6 +79,7 @@ def data(session: Session, study: Study, o: PlotOptions) -> dict[str, Any]:
         "best": best,
         "x_label": "trial number",
         "y_label": objs[i]["metric"],
+        "l0": first_val_loss_max(session, study.id),
         "title": f"study {study.id}: optimization history",
     }
 

@@ -4,9 +4,14 @@
 // model's loss l_0 of each group dashed in its colour, and each group's LR sensitivity with its
 // t interval in the legend. Shown only for a study that searches optim.lr; the numbers are
 // GET /v1/studies/{id}/lr-sensitivity's, drawn as they come.
+//
+// What is drawn is what the definition uses, min(l, l_0) per seed (the route's clipped_*): a
+// run that blew up to hundreds of nats without going non-finite sits at l_0, marked with a
+// hollow triangle (charts.js CLIPPED_SYMBOL) and its raw loss in the tooltip, and the y axis
+// follows the loss-axis rule of every loss plot (charts.js lossAxis; docs/ui.md).
 
 import {ApiError, get} from './api.js';
-import {PALETTE, chartBox, draw} from './charts.js';
+import {CLIPPED_SIZE, CLIPPED_SYMBOL, PALETTE, chartBox, draw, lossAxis} from './charts.js';
 import {fill, fmt, h} from './dom.js';
 
 export const LR_PARAM = 'optim.lr';
@@ -46,7 +51,15 @@ export function lrOption(d) {
     const pts = g.curve.filter((p) => p.median !== null);
     series.push({
       name, type: 'line', color, symbol: 'circle', symbolSize: 7, lineStyle: {width: 2},
-      data: pts.map((p) => ({value: [p.lr, p.median], n: p.n, diverged: p.diverged})),
+      data: pts.map((p) => {
+        // The median itself clipped: some seeds' l(eta) above their l_0 moved it.
+        const clipped = p.clipped_median < p.median;
+        return {
+          value: [p.lr, p.clipped_median], n: p.n, diverged: p.diverged, above: p.above_l0,
+          raw: p.median, rawMax: p.max, clipped,
+          ...(clipped ? {symbol: CLIPPED_SYMBOL, symbolSize: CLIPPED_SIZE} : {}),
+        };
+      }),
       markLine: g.l0 === null ? undefined : {
         symbol: 'none', silent: true,
         lineStyle: {type: 'dashed', color, width: 1.5},
@@ -58,22 +71,29 @@ export function lrOption(d) {
       name, type: 'custom', color, silent: true, z: 1,
       renderItem: whiskers(color),
       encode: {x: 0, y: [1, 2]},
-      data: pts.filter((p) => p.n > 1).map((p) => [p.lr, p.min, p.max]),
+      data: pts.filter((p) => p.n > 1).map((p) => [p.lr, p.clipped_min, p.clipped_max]),
     });
   });
+  // The loss-axis ceiling: the highest l_0 (a group's mean over seeds) or clipped point drawn.
+  const tops = d.groups.flatMap((g) => [g.l0, ...g.curve.map((p) => p.clipped_max)]).filter((v) => v !== null && Number.isFinite(v));
+  const ceiling = tops.length ? Math.max(...tops) : null;
   return {
     grid: {left: 64, right: 28, top: 28 + 22 * d.groups.length, bottom: 48},
     legend: {top: 0, left: 0, orient: 'vertical', data: d.groups.map(legendName)},
     tooltip: {trigger: 'item', confine: true, formatter: (p) => {
       if (p.seriesType !== 'line') return '';
       const [lr, loss] = p.value.value || p.value;
-      const div = p.data.diverged ? `, ${p.data.diverged} diverged (counted as l\u2080)` : '';
-      return `${p.seriesName.split(':')[0]}<br>lr ${fmt(lr)}: final loss ${fmt(loss)} (median of ${p.data.n} seeds${div})`;
+      const q = p.data;
+      const div = q.diverged ? `, ${q.diverged} diverged (counted as l\u2080)` : '';
+      const above = q.above ? `<br>${q.above} of ${q.n} above l\u2080 (drawn at l\u2080); raw final loss: median ${fmt(q.raw)}, highest ${fmt(q.rawMax)}` : '';
+      return `${p.seriesName.split(':')[0]}<br>lr ${fmt(lr)}: min(l, l\u2080) ${fmt(loss)} (median of ${q.n} seeds${div})${above}`;
     }},
     xAxis: {type: 'log', name: 'learning rate', nameLocation: 'middle', nameGap: 28, logBase: 10,
       min: d.grid[0] / 1.5, max: d.grid[d.grid.length - 1] * 1.5,
       axisLabel: {showMinLabel: false, showMaxLabel: false, formatter: (v) => (v < 1e-3 ? v.toExponential(0) : String(Number(v.toPrecision(2))))}},
-    yAxis: {type: 'value', name: 'final validation loss', nameLocation: 'middle', nameGap: 44, scale: true},
+    yAxis: ceiling === null
+      ? {type: 'value', name: 'min(final validation loss, l\u2080)', nameLocation: 'middle', nameGap: 44, scale: true}
+      : lossAxis(ceiling, {name: 'min(final validation loss, l\u2080)', nameLocation: 'middle', nameGap: 44}),
     series,
   };
 }
@@ -99,7 +119,7 @@ export function lrSensitivityPanel(studyId, spec) {
     }
     const out = d.groups.flatMap((g) => g.left_out.map((o) => `${groupLabel(g)}, seed ${o.seed}: ${o.reason}`));
     fill(note,
-      h('div', {}, `Final validation loss against the learning rate: median over seeds, whiskers from the lowest to the highest seed, dashed: l\u2080 (the untrained model). `,
+      h('div', {}, `Final validation loss l against the learning rate, as the sensitivity uses it, min(l, l\u2080) per seed: median over seeds, whiskers from the lowest to the highest seed, dashed: l\u2080 (the untrained model), \u25b3: a median above l\u2080 drawn at it (its raw value in the tooltip). `,
         `LR sensitivity = mean over the ${d.grid.length} learning rates of [min(l, l\u2080) \u2212 l*] per seed (a diverged run counts as l\u2080), then the mean over seeds with its ${Math.round(100 * d.confidence)} % t interval.`,
         d.log_spaced ? '' : ' The grid is not equally spaced in log lr.'),
       out.length ? h('details', {}, h('summary', {}, `${out.length} seed(s) left out until their grid is complete`), h('ul', {}, out.map((t) => h('li', {}, t)))) : null);

@@ -5,7 +5,7 @@
 // a trial changes state.
 
 import {ApiError, get} from './api.js';
-import {CLASS_COLOR, PALETTE, chartBox, draw, loadECharts} from './charts.js';
+import {CLASS_COLOR, CLIPPED_SIZE, CLIPPED_SYMBOL, PALETTE, chartBox, clipLoss, draw, loadECharts, lossAxis} from './charts.js';
 import {badge, duration, every, fill, fmt, h, pct} from './dom.js';
 import {stabilityBoundaryPanel} from './boundary.js';
 import {lrSensitivityPanel} from './lrsens.js';
@@ -40,6 +40,8 @@ const FANOVA_AUTO = 200;
 // A scatter series past this many points is drawn in ECharts' large mode (one path for all
 // symbols; hover and click still find the point): 10,000 trials draw in a fraction.
 const LARGE = 500;
+// A field that is a loss (final_val_loss, best_val_loss, ...): its axis follows the loss rule.
+const LOSS = /loss/;
 const NUMERIC = ['value', 'final_val_loss', 'min_norm_entropy', 'final_rank_ratio', 'qk_eig_var', 'plateau_steps', 'duration_s', 'number'];
 
 /** The running best as a step line needs only the trials where it improved, and the last. */
@@ -122,9 +124,11 @@ export async function studyPage(ctx, id) {
   const lrsens = lrSensitivityPanel(id, study.spec);  // null unless the study searches optim.lr
   const boundary = stabilityBoundaryPanel(id, study.spec);  // null unless lr and a width
 
-  view.append(
+  // Through h's rule (absent parts skipped): Element.append would write a null or an
+  // undefined part (no description, no LR panel) as the text "null" or "undefined".
+  view.append(...[
     title,
-    study.spec.description ? h('p', {class: 'muted'}, study.spec.description) : null,
+    study.spec.description ? h('p', {class: 'muted', id: 'study-description'}, study.spec.description) : null,
     summaryEl,
     h('section', {class: 'panel'},
       h('h3', {}, 'Trials ', tableInfo, ' ', compare),
@@ -134,7 +138,7 @@ export async function studyPage(ctx, id) {
     lrsens?.box,
     boundary?.box,
     h('div', {class: 'charts'}, history.box, phase.box, pareto?.box, importance.box),
-  );
+  ].filter((c) => c !== null && c !== undefined));
 
   function header() {
     const cols = [...COLUMNS, ...params.map((p) => [`params.${p}`, p, (t) => fmt(t.params[p])]), ...TAIL];
@@ -198,24 +202,64 @@ export async function studyPage(ctx, id) {
     if (tid) location.hash = `#/trials/${tid}`;
   };
 
-  async function loadHistory() {
-    const d = await get(`/v1/studies/${id}/plots/history`, {format: 'json'});
+  // The loss-axis ceiling of every loss plot of this page: the history route's l0 (the
+  // largest first-evaluation, i.e. step-0, validation loss of the study's trials).
+  let l0 = null;
+  const isLoss = (field) => LOSS.test(field) || (field === 'value' && LOSS.test(objectives[0].metric));
+  const fetchHistory = () => get(`/v1/studies/${id}/plots/history`, {format: 'json'});
+
+  /** Scatter points [x, y, ...rest] with the loss rule on the axes that are losses: those
+   *  above the ceiling at it, in `above` (their raw values kept), the rest in `kept`. */
+  function clipPoints(points, xLoss, yLoss) {
+    const kept = [];
+    const above = [];
+    for (const [x, y, ...rest] of points) {
+      const cx = clipLoss(x, xLoss ? l0 : null);
+      const cy = clipLoss(y, yLoss ? l0 : null);
+      if (cx.raw === null && cy.raw === null) kept.push([x, y, ...rest]);
+      else above.push({value: [cx.y, cy.y, ...rest], raw: [x, y]});
+    }
+    return {kept, above};
+  }
+  const aboveSeries = (data, extra = {}) => (data.length ? [{
+    name: 'above l\u2080 (drawn at l\u2080)', type: 'scatter', symbol: CLIPPED_SYMBOL,
+    symbolSize: CLIPPED_SIZE, z: 5, data, color: '#444', ...extra}] : []);
+  const rawNote = (p) => (p.data?.raw ? ` (raw ${p.data.raw.map((v) => fmt(v)).join(', ')}; above l\u2080 ${fmt(l0)}, drawn at l\u2080)` : '');
+  const axisOf = (loss, {type, ...base}) => (loss && l0 !== null ? lossAxis(l0, base) : {type, ...base});
+
+  async function loadHistory(pending = null) {
+    const d = await (pending || fetchHistory());
+    l0 = d.l0 ?? null;
+    // A loss objective follows the loss-axis rule (charts.js lossAxis): its ceiling is the
+    // route's l0, the largest first-evaluation (step-0) validation loss of the study's trials.
+    const ceiling = LOSS.test(d.objective.metric) && d.l0 !== null && d.l0 !== undefined ? d.l0 : null;
     const groups = {};
-    for (const p of d.points) (groups[p.state] ??= []).push([p.trial, p.value]);
+    const above = [];
+    for (const p of d.points) {
+      const {y, raw} = clipLoss(p.value, ceiling);
+      if (raw === null) (groups[p.state] ??= []).push([p.trial, y]);
+      else above.push({value: [p.trial, y], raw, state: p.state});
+    }
+    const best = improvements(d.best).map(([t, v]) => [t, clipLoss(v, ceiling).y]);
+    history.el.dataset.ceiling = ceiling === null ? '' : String(ceiling);
     await draw(history.el, {
       grid: {left: 60, right: 20, top: 40, bottom: 40},
-      tooltip: {trigger: 'item', formatter: (p) => `trial ${p.value[0]}: ${fmt(p.value[1])}`},
+      tooltip: {trigger: 'item', formatter: (p) => (p.data.raw === undefined
+        ? `trial ${p.value[0]}: ${fmt(p.value[1])}`
+        : `trial ${p.value[0]} (${p.data.state.toLowerCase()}): ${fmt(p.data.raw)}, above l\u2080 ${fmt(ceiling)}: drawn at l\u2080`)},
       legend: {top: 0},
       xAxis: {type: 'value', name: 'trial', nameLocation: 'middle', nameGap: 24},
-      yAxis: {type: 'value', name: d.y_label, scale: true},
+      yAxis: ceiling === null ? {type: 'value', name: d.y_label, scale: true} : lossAxis(ceiling, {name: d.y_label}),
       series: [
         ...Object.entries(groups).map(([st, pts], i) => ({name: st.toLowerCase(), type: 'scatter', symbolSize: 6, large: true, largeThreshold: LARGE, data: pts, color: PALETTE[i % PALETTE.length]})),
-        {name: 'best so far', type: 'line', step: 'end', showSymbol: false, data: improvements(d.best), color: '#d62728'},
+        ...(above.length ? [{name: 'above l\u2080 (drawn at l\u2080)', type: 'scatter', symbol: CLIPPED_SYMBOL, symbolSize: CLIPPED_SIZE, data: above, color: '#444'}] : []),
+        {name: 'best so far', type: 'line', step: 'end', showSymbol: false, data: best, color: '#d62728'},
       ],
     }, {onClick: (p) => p.seriesType === 'scatter' && openTrial(p.value[0])});
   }
 
-  async function loadPhase() {
+  async function loadPhase(pending = null) {
+    if (pending) l0 = (await pending).l0 ?? null;
     let d;
     try {
       d = await get(`/v1/studies/${id}/plots/scatter`, {format: 'json', x: xSel.value, y: ySel.value, color: cSel.value});
@@ -225,41 +269,53 @@ export async function studyPage(ctx, id) {
     }
     const numericColor = d.points.some((p) => typeof p.color === 'number');
     const axis = (log, name) => ({type: log ? 'log' : (d.points.some((p) => typeof p[name] === 'string') ? 'category' : 'value'), name: d[`${name}_label`], nameLocation: 'middle', nameGap: 26, scale: true});
+    const [xLoss, yLoss] = [!d.x_log && isLoss(d.x), !d.y_log && isLoss(d.y)];
     const point = (p) => [p.x, p.y, p.color, p.trial];
+    // A trial without a collapse class (no attention metrics stored) is "unclassified".
+    const label = (c) => (c === null || c === undefined ? 'unclassified' : String(c));
+    const {kept, above} = clipPoints(d.points.map(point), xLoss, yLoss);
     let series;
     let visualMap;
     if (numericColor) {
       const vals = d.points.map((p) => p.color).filter((v) => typeof v === 'number');
-      series = [{type: 'scatter', symbolSize: 9, data: d.points.map(point), large: true, largeThreshold: LARGE}];
+      series = [{type: 'scatter', symbolSize: 9, data: kept, large: true, largeThreshold: LARGE}, ...aboveSeries(above, {color: undefined})];
       visualMap = {type: 'continuous', dimension: 2, min: Math.min(...vals), max: Math.max(...vals), calculable: true, right: 0, top: 'middle', text: [d.color, ''], inRange: {color: ['#440154', '#3b528b', '#21918c', '#5ec962', '#fde725']}};
     } else {
       const groups = {};
-      for (const p of d.points) (groups[String(p.color)] ??= []).push(point(p));
-      series = Object.entries(groups).map(([k, pts], i) => ({name: k, type: 'scatter', symbolSize: 9, data: pts, large: true, largeThreshold: LARGE, color: CLASS_COLOR[k] || PALETTE[i % PALETTE.length]}));
+      for (const q of kept) (groups[label(q[2])] ??= []).push(q);
+      series = [...Object.entries(groups).map(([k, pts], i) => ({name: k, type: 'scatter', symbolSize: 9, data: pts, large: true, largeThreshold: LARGE, color: CLASS_COLOR[k] || PALETTE[i % PALETTE.length]})), ...aboveSeries(above)];
     }
+    phase.el.dataset.ceiling = (xLoss || yLoss) && l0 !== null ? String(l0) : '';
     await draw(phase.el, {
       grid: {left: 70, right: numericColor ? 90 : 20, top: 40, bottom: 44},
       legend: numericColor ? undefined : {top: 0},
-      tooltip: {trigger: 'item', formatter: (p) => `trial ${p.value[3]}<br>${d.x}: ${fmt(p.value[0])}<br>${d.y}: ${fmt(p.value[1])}<br>${d.color}: ${fmt(p.value[2])}`},
-      xAxis: axis(d.x_log, 'x'), yAxis: axis(d.y_log, 'y'), visualMap, series,
+      tooltip: {trigger: 'item', formatter: (p) => `trial ${p.value[3]}<br>${d.x}: ${fmt(p.value[0])}<br>${d.y}: ${fmt(p.value[1])}<br>${d.color}: ${fmt(p.value[2])}${rawNote(p)}`},
+      xAxis: axisOf(xLoss, axis(d.x_log, 'x')), yAxis: axisOf(yLoss, axis(d.y_log, 'y')), visualMap, series,
     }, {onClick: (p) => openTrial(p.value[3])});
   }
 
-  async function loadPareto() {
+  async function loadPareto(pending = null) {
     if (!pareto) return;
+    if (pending) l0 = (await pending).l0 ?? null;
     const d = await get(`/v1/studies/${id}/plots/pareto`, {format: 'json'});
     const xi = d.x_objective, yi = d.y_objective;
+    const [xLoss, yLoss] = [isLoss(d.x_label), isLoss(d.y_label)];
     const pt = (p) => [p.values[xi], p.values[yi], p.trial];
     const front = d.points.filter((p) => p.on_front).sort((a, b) => a.values[xi] - b.values[xi]);
+    // The front is drawn as computed (its line clipped like any loss); dominated points
+    // above the ceiling are marked.
+    const {kept, above} = clipPoints(d.points.filter((p) => !p.on_front).map(pt), xLoss, yLoss);
+    const clip = (q) => [clipLoss(q[0], xLoss ? l0 : null).y, clipLoss(q[1], yLoss ? l0 : null).y, q[2]];
     await draw(pareto.el, {
       grid: {left: 70, right: 20, top: 40, bottom: 44},
       legend: {top: 0},
-      tooltip: {trigger: 'item', formatter: (p) => `trial ${p.value[2]}: ${fmt(p.value[0])}, ${fmt(p.value[1])}`},
-      xAxis: {type: 'value', name: d.x_label, nameLocation: 'middle', nameGap: 26, scale: true},
-      yAxis: {type: 'value', name: d.y_label, scale: true},
+      tooltip: {trigger: 'item', formatter: (p) => `trial ${p.value[2]}: ${fmt(p.value[0])}, ${fmt(p.value[1])}${rawNote(p)}`},
+      xAxis: axisOf(xLoss, {type: 'value', name: d.x_label, nameLocation: 'middle', nameGap: 26, scale: true}),
+      yAxis: axisOf(yLoss, {type: 'value', name: d.y_label, scale: true}),
       series: [
-        {name: 'dominated', type: 'scatter', data: d.points.filter((p) => !p.on_front).map(pt), color: '#999'},
-        {name: 'Pareto front', type: 'line', step: 'end', symbolSize: 9, data: front.map(pt), color: '#d62728'},
+        {name: 'dominated', type: 'scatter', data: kept, color: '#999'},
+        ...aboveSeries(above),
+        {name: 'Pareto front', type: 'line', step: 'end', symbolSize: 9, data: front.map(pt).map(clip), color: '#d62728'},
       ],
     }, {onClick: (p) => openTrial(p.value[2])});
   }
@@ -317,7 +373,11 @@ export async function studyPage(ctx, id) {
     await boundary.load();
     ctx.ready('boundary');
   };
-  const charts = () => Promise.all([loadHistory(), loadPhase(), loadPareto(), loadLrSensitivity(), loadBoundary()]);
+  const charts = () => {
+    const hist = fetchHistory();  // its l0 is the ceiling of the phase map's and Pareto's losses
+    hist.catch(() => {});  // awaited by each
+    return Promise.all([loadHistory(hist), loadPhase(hist), loadPareto(hist), loadLrSensitivity(), loadBoundary()]);
+  };
   await charts();
   ctx.ready('studycharts');
   loadImportance().catch(ctx.onError);

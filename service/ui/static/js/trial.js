@@ -91,7 +91,7 @@ function layout(p, trial, study, n) {
   const height = n > 2 ? 220 : 260;
   const parts = {
     head: h('div', {class: 'trial-head'}),
-    loss: chartBox(`loss-${id}`, 'Loss (plateaus shaded)', {height}),
+    loss: chartBox(`loss-${id}`, 'Loss (plateaus shaded; \u25b3: above l\u2080, drawn at it)', {height}),
     heat: chartBox(`heatmap-${id}`, 'Normalised attention entropy, layer x head over steps', {height: height + 40,
       note: h('p', {class: 'small', id: `collapsed-${id}`})}),
     logits: chartBox(`logitmap-${id}`, 'Largest |attention logit|, layer x head over steps', {height: height + 40,
@@ -124,6 +124,25 @@ async function drawHeads(p) {
     .map((s) => ({...s, name: headLabel(s)}));
   await draw(p.parts.eigMean.el, lineOption(perHead('qk_eig_mean')));
   await draw(p.parts.eigVar.el, lineOption(perHead('qk_eig_var')));
+}
+
+/** The ceiling of the loss plot (charts.js, the loss-axis rule): l_0, the trial's step-0
+ *  validation loss (its val_loss row at step 0, else the summary's init_val_loss); without
+ *  one, the larger of its first stored val_loss and train_loss (the first train loss is that
+ *  of a model that has taken one step, so the early descent stays on the axis).
+ *  {y, label}, or null when no loss is stored. */
+export function lossCeiling(series, summary) {
+  const val = (series.val_loss || [])[0];
+  if (val && val.steps[0] === 0 && Number.isFinite(val.values[0])) return {y: val.values[0], label: 'l\u2080 (step 0)'};
+  if (Number.isFinite(summary?.init_val_loss)) return {y: summary.init_val_loss, label: 'l\u2080 (step 0)'};
+  const firsts = ['val_loss', 'train_loss'].map((n) => {
+    const s = (series[n] || [])[0];
+    const k = s ? s.values.findIndex((v) => Number.isFinite(v)) : -1;
+    return k < 0 ? null : {y: s.values[k], step: s.steps[k]};
+  }).filter(Boolean);
+  if (!firsts.length) return null;
+  const top = firsts.reduce((a, b) => (b.y > a.y ? b : a));
+  return {y: top.y, label: `no step 0: first loss (step ${top.step})`};
 }
 
 /** A `<=` bound of the study's constraints on the logit summaries, or null. */
@@ -205,7 +224,10 @@ async function render(p, trial, study, data) {
   parts.heat.el.dataset.collapsed = collapsed.map(headLabel).join(',');
   drawLogitMap(p, trial, study, series);
 
-  await draw(parts.loss.el, lineOption(loss, {yName: 'nats', markAreas: areas}));
+  const top = lossCeiling(series, summary);
+  parts.loss.el.dataset.ceiling = top === null ? '' : String(top.y);
+  await draw(parts.loss.el, lineOption(loss, {yName: 'nats', markAreas: areas, ceiling: top?.y ?? null,
+    markLines: top === null ? [] : [{y: top.y, label: top.label, color: '#666'}]}));
   const layers = (series.rank_ratio || []).map((s) => ({...s, name: `layer ${s.layer}`}));
   await draw(parts.rank.el, lineOption(layers, {markLines: [{y: rankThr, label: `collapse < ${rankThr}`}]}));
   // Per-head QK curves: all heads when few, else the layer picked (first: a collapsed
