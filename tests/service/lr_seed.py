@@ -198,3 +198,21 @@ def seed_blowup_study(engine: Engine, name: str = "first-grid") -> tuple[int, di
         )
         assert store.trials.record_result(rid, row)
     return sid, ids
+
+
+def seed_char_lm_study(engine: Engine, name: str, data_dir: str) -> int:
+    """The lr x qk_norm x seed grid of `seed_lr_study` (every trial finished, l* about 3.1
+    nats) on a character-level `lm` task over `data_dir` (train.txt, valid.txt), so its
+    LR-sensitivity answer carries the unigram floor of that data. Its id."""
+    base = {"steps": 100, "eval_every": 50, "eval_at_init": True, "batch_size": 1,
+            "eval_batches": 1, "task": {"kind": "lm", "data_dir": data_dir, "tokenizer": "char",
+                                        "seq_len": 8}}  # fmt: skip
+    store = Store(make_sessionmaker(engine))
+    study, _ = store.studies.create(_parse(lr_spec(name, base=base)))
+    n = 0
+    for norm in NORMS:
+        for seed in SEEDS:
+            for eta in E2E_GRID:
+                write_trial(store, int(study.id), n, norm, seed, eta, "COMPLETE")
+                n += 1
+    return int(study.id)

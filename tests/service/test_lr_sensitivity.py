@@ -267,31 +267,17 @@ def test_route_sets_the_floor_beside_l_star(
     """The seeded grid's l* is about 3.1 nats. On two letters the floor is about 1 nat, so
     l* is not below it and each group says so; on 40 letters equally often it is log 41 =
     3.71 (add-one: every count n + 1 of 40 n + 41), above l*, and no note is set."""
-    from service.store import Store
-    from service.store.session import make_sessionmaker
-    from tests.service.lr_seed import write_trial
+    from tests.service.lr_seed import seed_char_lm_study
 
     alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN"[:letters]
     data = _char_corpus(tmp_path / f"c{letters}", alphabet * 5, alphabet * 5)
-    base = {"steps": 100, "eval_every": 50, "eval_at_init": True, "batch_size": 1,
-            "eval_batches": 1, "task": {"kind": "lm", "data_dir": data, "tokenizer": "char",
-                                        "seq_len": 8}}  # fmt: skip
-    store = Store(make_sessionmaker(engine))
-    study, _ = store.studies.create(parse_spec(
-        __import__("json").dumps(lr_spec(f"floor-{letters}", base=base)).encode(), "json"
-    ))  # fmt: skip
-    n = 0
-    for norm in NORMS:
-        for seed in SEEDS:
-            for eta in E2E_GRID:
-                write_trial(store, int(study.id), n, norm, seed, eta, "COMPLETE")
-                n += 1
+    sid = seed_char_lm_study(engine, f"floor-{letters}", data)
     # an independent floor: the 8 targets after the first character, each letter 5 times in
     # training (letters == 2: targets b a b a b a b a; counts 5 + 1 of 10 + 3 = 13)
     targets = (alphabet * 5)[1:9]
     counts = {c: 5 for c in alphabet}
     floor = -sum(math.log((counts[c] + 1) / (5 * letters + letters + 1)) for c in targets) / 8
-    body = get(client, int(study.id)).json()
+    body = get(client, sid).json()
     for g in body["groups"]:
         assert g["unigram_floor"] is not None, g["note"]
         assert g["unigram_floor"] == pytest.approx(floor, rel=1e-12)

@@ -937,6 +937,42 @@ def test_the_stability_boundary_panel_draws_what_the_route_answers(
     assert page.errors == [], page.errors
 
 
+def test_the_lr_panel_draws_the_unigram_floor_and_says_when_l_star_is_not_below_it(
+    page: Page, site: str, db: tuple[str, Engine, ui_seed.Seeded], tmp_path: Path
+) -> None:
+    """METRICS.md 9: a dotted line at the route's unigram floor in each group's colour, and
+    the route's note under the panel when a group's l* is not below it (a two-letter corpus:
+    floor about 0.8 nats, l* about 3.1)."""
+    from tests.service.lr_seed import seed_char_lm_study
+
+    data = tmp_path / "ab"
+    data.mkdir()
+    (data / "train.txt").write_text("ab" * 20)
+    (data / "valid.txt").write_text("ab" * 20)
+    sid = seed_char_lm_study(db[1], "ui-lr-floor", str(data))
+    want = api(site, f"/v1/studies/{sid}/lr-sensitivity")
+    floors = {g["unigram_floor"] for g in want["groups"]}
+    assert len(floors) == 1 and None not in floors
+    (floor,) = floors
+    p = page.open(f"#/studies/{sid}", "lrsens")
+    drawn = p.evaluate(
+        f"""() => window.qkCharts.get('lrsens-{sid}').getOption().series
+        .filter(s => s.type === 'line').map(s => ({{color: s.color,
+            lines: s.markLine.data.map(d => [d.name, d.yAxis,
+                d.lineStyle ? d.lineStyle.type : s.markLine.lineStyle.type,
+                d.lineStyle ? d.lineStyle.color : s.markLine.lineStyle.color])}}))"""
+    )
+    assert len(drawn) == 2
+    for line, g in zip(drawn, want["groups"], strict=True):
+        assert line["lines"] == [
+            ["l0", pytest.approx(g["l0"]), "dashed", line["color"]],
+            ["unigram floor", pytest.approx(floor), "dotted", line["color"]],
+        ]
+    note = p.inner_text(f"#lrsens-note-{sid}")
+    assert note.count("is not below the unigram floor") == 2, note
+    assert page.errors == [], page.errors
+
+
 def y_extent(p: Any, chart_id: str) -> list[float]:
     """The y axis range an ECharts chart really drew."""
     return p.evaluate(

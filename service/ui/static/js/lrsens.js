@@ -60,11 +60,18 @@ export function lrOption(d) {
           ...(clipped ? {symbol: CLIPPED_SYMBOL, symbolSize: CLIPPED_SIZE} : {}),
         };
       }),
-      markLine: g.l0 === null ? undefined : {
+      // Dashed: l_0. Dotted: the unigram floor of the group's data (METRICS.md 9): a curve
+      // whose best point is not below it learned token frequencies, not attention.
+      markLine: g.l0 === null && g.unigram_floor == null ? undefined : {
         symbol: 'none', silent: true,
         lineStyle: {type: 'dashed', color, width: 1.5},
         label: {formatter: 'l\u2080', position: 'insideStartTop', color},
-        data: [{yAxis: g.l0, name: 'l0'}],
+        data: [
+          ...(g.l0 === null ? [] : [{yAxis: g.l0, name: 'l0'}]),
+          ...(g.unigram_floor == null ? [] : [{yAxis: g.unigram_floor, name: 'unigram floor',
+            lineStyle: {type: 'dotted', color, width: 1.5},
+            label: {formatter: 'unigram floor', position: 'insideEndBottom', color}}]),
+        ],
       },
     });
     series.push({
@@ -118,10 +125,13 @@ export function lrSensitivityPanel(studyId, spec) {
       return;
     }
     const out = d.groups.flatMap((g) => g.left_out.map((o) => `${groupLabel(g)}, seed ${o.seed}: ${o.reason}`));
+    const floorNotes = d.groups.filter((g) => g.note && g.unigram_floor != null).map((g) => h('div', {class: 'warn floor-note'}, `${groupLabel(g)}: ${g.note}`));
     fill(note,
       h('div', {}, `Final validation loss l against the learning rate, as the sensitivity uses it, min(l, l\u2080) per seed: median over seeds, whiskers from the lowest to the highest seed, dashed: l\u2080 (the untrained model), \u25b3: a median above l\u2080 drawn at it (its raw value in the tooltip). `,
         `LR sensitivity = mean over the ${d.grid.length} learning rates of [min(l, l\u2080) \u2212 l*] per seed (a diverged run counts as l\u2080), then the mean over seeds with its ${Math.round(100 * d.confidence)} % t interval.`,
+        ' Dotted: the unigram floor of the data (the loss of a model that knows only token frequencies).',
         d.log_spaced ? '' : ' The grid is not equally spaced in log lr.'),
+      ...floorNotes,
       out.length ? h('details', {}, h('summary', {}, `${out.length} seed(s) left out until their grid is complete`), h('ul', {}, out.map((t) => h('li', {}, t)))) : null);
     if (!d.groups.length) {
       await draw(el, {title: {text: 'No finished trials yet.', left: 'center', top: 'middle', textStyle: {fontSize: 12, fontWeight: 'normal', color: '#666'}}});
