@@ -46,6 +46,27 @@ def floor_of_definition(path: Path) -> float:
     return value
 
 
+def is_testable(l_stars: Sequence[float], floor: float) -> bool:
+    """9.1 rule 1: the seed median of l* below the floor by more than MARGIN."""
+    return it.median(list(l_stars)) < floor - MARGIN
+
+
+def primary_verdict(d: it.Paired) -> str:
+    """9.1 rule 3 (qk-layernorm - none): the interval of the paired difference decides."""
+    if d.interval.hi < 0:
+        return "reproduced"
+    if d.interval.lo > 0:
+        return "not reproduced"
+    return "inconclusive"
+
+
+def secondary_verdict(d: it.Paired, p_holm: float) -> str:
+    """9.1 rule 4: Holm-adjusted p < 0.05 and the sign of the difference."""
+    if p_holm < 0.05:
+        return "lowers LR sensitivity" if d.interval.centre < 0 else "raises LR sensitivity"
+    return "inconclusive"
+
+
 def curve(stats: Mapping[int, it.SeedStats], grid: Sequence[float]) -> list[float]:
     return [it.median([s.losses[i] for s in stats.values()]) for i in range(len(grid))]
 
@@ -74,7 +95,7 @@ def report(directory: Path) -> str:
     for a, st in stats.items():
         ls = [s.l_star for s in st.values()]
         med = it.median(ls)
-        testable[a] = med < u - MARGIN
+        testable[a] = is_testable(ls, u)
         sens = it.one_sample([s.sensitivity for s in st.values()])
         c = curve(st, grid)
         best = grid[c.index(min(c))]
@@ -104,12 +125,10 @@ def report(directory: Path) -> str:
         d = diffs[a]
         if not (testable[a] and testable["none"]):
             verdict = "at the floor: not testable"
-        elif a == "qk-layernorm":  # 9.1 rule 3, the primary comparison: the interval decides
-            verdict = ("reproduced" if d.interval.hi < 0 else
-                       "not reproduced" if d.interval.lo > 0 else "inconclusive")  # fmt: skip
-        else:  # rule 4
-            verdict = ("lowers LR sensitivity" if p_holm < 0.05 and d.interval.centre < 0 else
-                       "raises LR sensitivity" if p_holm < 0.05 else "inconclusive")  # fmt: skip
+        elif a == "qk-layernorm":
+            verdict = primary_verdict(d)
+        else:
+            verdict = secondary_verdict(d, p_holm)
         out.append(f"| {a} | {it.fmt_signed(d.interval)} | {d.p:.2g} | {p_holm:.2g} | {verdict} |")
 
     out += ["", "Descriptive: seed-median final loss l(lr) (diverged as l_0), diverged seeds",
