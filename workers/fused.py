@@ -152,11 +152,16 @@ class _BatchedOptimizer:
 
 
 def _clip_per_member(params: list[Tensor], clips: Tensor) -> Tensor:
-    """clip_grad_norm_ for each member separately; returns the (M,) norms before clipping."""
+    """clip_grad_norm_ for each member separately; returns the (M,) norms before clipping.
+
+    A member without clipping (clip inf: `optim.grad_clip: null`) keeps its gradients as they
+    are, as `workers.runners.unclipped_grad_norm` does alone: inf / (norm + 1e-6) would be
+    inf / inf = nan once its float32 norm overflows, and turn finite gradients into nan."""
     grads = [p.grad for p in params if p.grad is not None]
     norms = torch.stack([g.reshape(g.shape[0], -1).norm(dim=1) for g in grads])  # (P, M)
     total: Tensor = norms.norm(dim=0)  # (M,)
     coef = torch.clamp(clips / (total + 1e-6), max=1.0)
+    coef = torch.where(torch.isinf(clips), torch.ones_like(coef), coef)
     for g in grads:
         g.mul_(_bcast(coef, g))
     return total

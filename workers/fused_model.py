@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from workers.config import ModelConfig, RegularizerKind
-from workers.model import GPT, apply_rotary, rotary_tables
+from workers.model import GPT, apply_rotary, float32_or_wider, no_autocast, rotary_tables
 from workers.regularizers import locater_penalty, spectral_variance_penalty, z_loss
 
 __all__ = ["FusedGPT"]
@@ -130,25 +130,37 @@ class FusedGPT:
     @torch.no_grad()
     def _power_iteration(self) -> None:
         """One power-iteration step of every sigma-reparam layer, per member (as
-        `SigmaReparamLinear` does in each training forward)."""
+        `SigmaReparamLinear` does in each training forward: float32 or wider, autocast off)."""
         for layer in self.sigma_layers:
             w = self.params[layer + ".weight"]
-            w = w.to(torch.promote_types(w.dtype, torch.float32))  # (M, out, in)
-            u, v = self.buffers[layer + ".u"], self.buffers[layer + ".v"]
-            v_new = F.normalize(torch.bmm(w.transpose(1, 2), u.unsqueeze(-1)).squeeze(-1), dim=1)
-            u.copy_(F.normalize(torch.bmm(w, v_new.unsqueeze(-1)).squeeze(-1), dim=1))
-            v.copy_(v_new)
+            with no_autocast(w):
+                w = float32_or_wider(w)  # (M, out, in)
+                u, v = self.buffers[layer + ".u"], self.buffers[layer + ".v"]
+                v_new = torch.bmm(w.transpose(1, 2), u.to(w.dtype).unsqueeze(-1)).squeeze(-1)
+                v_new = F.normalize(v_new, dim=1)
+                u.copy_(F.normalize(torch.bmm(w, v_new.unsqueeze(-1)).squeeze(-1), dim=1))
+                v.copy_(v_new)
+
+    def sigma(self, layer: str) -> Tensor:
+        """A sigma-reparam layer's sigma(W) = u^T W v per member (M,): differentiable in W,
+        float32 or wider, computed outside autocast (as `SigmaReparamLinear.sigma`)."""
+        w = self.params[layer + ".weight"]
+        with no_autocast(w):
+            w = float32_or_wider(w)
+            u, v = self.buffers[layer + ".u"].to(w.dtype), self.buffers[layer + ".v"].to(w.dtype)
+            return (torch.bmm(u.unsqueeze(1), w).squeeze(1) * v).sum(dim=-1)
 
     def weight(self, layer: str) -> Tensor:
         """A linear layer's effective (M, out, in) weight: gamma / sigma(W) * W for a
-        sigma-reparam layer (sigma = u^T W v, differentiable in W), W otherwise."""
+        sigma-reparam layer (float32 or wider, outside autocast, as
+        `SigmaReparamLinear.effective_weight`), W otherwise."""
         w = self.params[layer + ".weight"]
         if layer + ".gamma" not in self.params:
             return w
-        u, v = self.buffers[layer + ".u"], self.buffers[layer + ".v"]
-        sigma = (torch.bmm(u.unsqueeze(1), w).squeeze(1) * v).sum(dim=-1)  # (M,)
-        gamma = self.params[layer + ".gamma"]  # (M,)
-        return (gamma / sigma).view(-1, 1, 1) * w
+        with no_autocast(w):
+            w = float32_or_wider(w)
+            gamma = self.params[layer + ".gamma"].to(w.dtype)  # (M,)
+            return (gamma / self.sigma(layer)).view(-1, 1, 1) * w
 
     def _attention(self, x: Tensor, i: int) -> Tensor:
         """Self-attention of block i (causal unless `cfg.causal` is false); x (M, B, T, D)."""

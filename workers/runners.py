@@ -7,7 +7,6 @@ A runner knows tensors and nothing about members' lives: `PlainRunner` trains on
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from workers.evaluation import penalty
 from workers.member import Member
 from workers.regularizers import z_loss
 
-__all__ = ["ModelRunner", "PlainRunner", "StepOut"]
+__all__ = ["ModelRunner", "PlainRunner", "StepOut", "unclipped_grad_norm"]
 
 
 @dataclass
@@ -48,6 +47,21 @@ class ModelRunner(Protocol):
 
     def sync(self, slot: int, member: Member) -> None:
         """Copy the slot's weights and optimizer state into `member.model`/`.optimizer`."""
+
+
+def unclipped_grad_norm(params: Sequence[Tensor]) -> Tensor:
+    """The total 2-norm of the gradients, which stay as they are (`optim.grad_clip: null`).
+
+    The value `clip_grad_norm_` returns (the same kernels, so the same rounding), without its
+    multiply: `clip_grad_norm_(params, inf)` is not "no clipping". Its coefficient is
+    inf / (norm + 1e-6), and once the norm overflows float32 (a sum of squares past 3.4e38: a
+    norm past 1.8e19, every gradient finite) that is inf / inf = nan, so every gradient
+    became nan and the trial was recorded DIVERGED at the next step with a finite loss,
+    while the same trial in float64, or fused (its norm rounds a little differently and did
+    not overflow), trained on (issue 46).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads, 2.0)
 
 
 class PlainRunner:
@@ -90,9 +104,11 @@ class PlainRunner:
         opt.zero_grad(set_to_none=True)
         total.backward()  # type: ignore[no-untyped-call]
         clip = mem.config.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            mem.model.parameters(), clip if clip is not None else math.inf
-        )
+        params = list(mem.model.parameters())
+        if clip is None:  # no clipping: the norm is measured, the gradients left as they are
+            grad_norm = unclipped_grad_norm(params)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         return StepOut(
             loss.detach().view(1),
