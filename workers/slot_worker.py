@@ -148,7 +148,8 @@ class SlotWorker:
         self.device = resolve_device(config)
         ctx = autocast_for(config, self.device)
         # One slot: the plain runner, exactly `run_trial`'s, which also trains the configs
-        # the fused model refuses (dropout, sigma-reparam), which get one-slot workers.
+        # the fused model refuses (dropout; a model that is not the built-in one), which get
+        # one-slot workers.
         runner: PlainRunner | FusedRunner = (
             PlainRunner(ctx) if self.capacity == 1 else FusedRunner(self.capacity, self.device, ctx)
         )
