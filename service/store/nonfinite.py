@@ -4,8 +4,9 @@ A running maximum of docs/metrics.md section 9 (`max_attn_logit_ever`,
 `max_abs_output_log_z_ever`) is `+inf` once a value overflowed. JSON has no infinity:
 PostgreSQL's `json` type rejects Python's `Infinity` token, and a JSON response refuses it.
 So wherever a summary or a response is JSON, an infinity is the string `"inf"` (`"-inf"`
-below zero), which `float()` and pydantic read back as the float; NaN is `null` (a value
-that is not a number is no value). In Python (the service's reads, the runner) a summary
+below zero), which `float()` and pydantic read back as the float (optuna-dashboard's JSON
+uses the same strings for infinite values); NaN is `null` (a value that is not a number is
+no value). In Python (the service's reads, the runner) a summary
 always holds the float: `SummaryJSON` writes the strings into the summary column and reads
 them back as floats; a number a read extracts from the summary JSON by itself goes through
 `json_number`. Float columns hold the real infinity (SQLite and PostgreSQL both can).
