@@ -8,6 +8,7 @@ newer service. Lists of results (`TrialList`, `MetricSeries`, `StudyList`) are l
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,6 +38,36 @@ D = TypeVar("D")
 
 def _time(v: Any) -> datetime | None:
     return None if v is None else datetime.fromisoformat(str(v))
+
+
+# In the API's JSON an infinity is the string "inf" ("-inf"): a trial's float columns, or a
+# summary number such as `max_attn_logit_ever` after an overflow (docs/api.md). The client
+# hands them back as floats.
+_INFINITIES = {"inf": math.inf, "-inf": -math.inf}
+_TRIAL_FLOATS = (
+    "value",
+    "final_val_loss",
+    "min_norm_entropy",
+    "final_rank_ratio",
+    "qk_eig_var",
+    "duration_s",
+)
+
+
+def _number(v: Any) -> Any:
+    """ "inf"/"-inf" as the float; anything else as it is."""
+    return _INFINITIES.get(v, v) if isinstance(v, str) else v
+
+
+def _trial_numbers(data: dict[str, Any]) -> dict[str, Any]:
+    """A trial's JSON with its infinities as floats: its float columns, `values` and the
+    top-level numbers of its summary."""
+    out = {k: (_number(v) if k in _TRIAL_FLOATS else v) for k, v in data.items()}
+    if isinstance(out.get("values"), list):
+        out["values"] = [_number(v) for v in out["values"]]
+    if isinstance(out.get("summary"), dict):
+        out["summary"] = {k: _number(v) for k, v in out["summary"].items()}
+    return out
 
 
 def _build(cls: type[D], data: dict[str, Any], times: tuple[str, ...] = ()) -> D:
@@ -128,7 +159,7 @@ class Trial:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Trial:
-        return _build(cls, data, ("started_at", "finished_at"))
+        return _build(cls, _trial_numbers(data), ("started_at", "finished_at"))
 
     def flat(self) -> dict[str, Any]:
         """One flat row: the columns, `params.<path>` per parameter, then `extra`."""

@@ -198,7 +198,9 @@ class TrialStatus(StrEnum):
 
 
 class TrialSummary(BaseModel):
-    """What one trial ended with. Non-finite numbers are stored as None."""
+    """What one trial ended with. Non-finite numbers are stored as None, except in the
+    running maxima of docs/metrics.md section 9 (`max_attn_logit_ever`,
+    `max_abs_output_log_z_ever`), where a non-finite value counts as +inf."""
 
     status: TrialStatus
     steps_done: int
@@ -235,7 +237,8 @@ class TrialSummary(BaseModel):
     target_mass: float | None = None
     # Instability signals (docs/metrics.md section 9), on the probe batch: the largest
     # |attention logit| over layers and heads at the last evaluation and over every
-    # evaluation, and the largest |mean log Z| of the output logits over every evaluation.
+    # evaluation, and the largest |mean log Z| of the output logits over every evaluation
+    # (both running maxima from step 0 with eval_at_init; +inf once a value overflowed).
     max_attn_logit: float | None = None
     max_attn_logit_ever: float | None = None
     max_abs_output_log_z_ever: float | None = None

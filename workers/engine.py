@@ -149,9 +149,13 @@ class Engine:
         )
         points.insert(1, MetricPoint("lr", mem.config.optim.lr * mem.lr_factor()))
         mem.hist.init_points = points
-        stop = mem.reporter.report(0, points, None)  # step 0: nothing trained to judge yet
+        stop = mem.reporter.report(0, points, None)  # step 0: no objective value to prune on
         if not math.isfinite(points[0].value):
             mem.status, mem.diverged_at = TrialStatus.DIVERGED, 0
+        elif (reason := self._stop_rule_reason(mem)) is not None:
+            # the running maxima start here (METRICS.md 9): an untrained model whose logits
+            # already break a bound can never meet it
+            mem.status, mem.stop_reason = TrialStatus.PRUNED, reason
         elif mem.checkpoint_path is not None:  # a resume from here must not report it again
             save_checkpoint(mem)
         if mem.status == TrialStatus.COMPLETED and stop is not None:
@@ -334,6 +338,12 @@ class Engine:
             mem.status, mem.stop_reason = TrialStatus.PRUNED, stop
             return True
         return False
+
+    def _stop_rule_reason(self, mem: Member) -> str | None:
+        """Why the member's stop rules end it at its current evaluation, or None."""
+        if mem.stopper is None:
+            return None
+        return mem.stopper.check(mem.step, self._summary_here(mem))
 
     def _summary_here(self, mem: Member) -> TrialSummary:
         """The summary the member would have if it stopped here: what its stop rules judge

@@ -147,21 +147,19 @@ class History:
     last_points: list[MetricPoint]
     init_points: list[MetricPoint] | None = None
     # Per training evaluation, the largest attn_logit_max over layers and heads and
-    # |output_log_z| (NaN where not finite or not measured): their running maxima are
-    # summaries. Plain class defaults, so checkpoints written before them still load (then
-    # the maxima cover the evaluations since the resume).
+    # |output_log_z| (`_signal`: +inf where a value was not finite, NaN where none was
+    # measured): their running maxima are summaries. Plain class defaults, so checkpoints
+    # written before them still load (then the maxima cover the evaluations since the
+    # resume, and step 0). Checkpoints written before non-finite values counted kept NaN for
+    # them too: read as not measured.
     max_attn_logits: list[float] | None = None
     abs_output_log_zs: list[float] | None = None
 
     def record_signals(self, points: list[MetricPoint]) -> None:
         """Keep one training evaluation's instability signals (docs/metrics.md section 9)."""
-        logit = _max_of([p.value for p in points if p.name == "attn_logit_max"])
-        log_z = [abs(p.value) for p in points if p.name == "output_log_z"]
-        self.max_attn_logits = [*(self.max_attn_logits or []), _nan_if_none(logit)]
-        self.abs_output_log_zs = [
-            *(self.abs_output_log_zs or []),
-            _nan_if_none(_finite(log_z[0]) if log_z else None),
-        ]
+        logit, log_z = _signals(points)
+        self.max_attn_logits = [*(self.max_attn_logits or []), logit]
+        self.abs_output_log_zs = [*(self.abs_output_log_zs or []), log_z]
 
     @classmethod
     def empty(cls) -> History:
@@ -176,14 +174,30 @@ def _max_of(values: list[float]) -> float | None:
     return max(values)
 
 
-def _nan_if_none(x: float | None) -> float:
-    return math.nan if x is None else x
+def _signal(values: list[float]) -> float:
+    """One evaluation's instability signal (docs/metrics.md section 9): the largest value,
+    +inf when one is not finite (an overflow is the strongest signal there is, never
+    skipped), NaN when nothing was measured."""
+    if not values:
+        return math.nan
+    if not all(math.isfinite(v) for v in values):
+        return math.inf
+    return max(values)
 
 
-def _running_max(values: list[float] | None) -> float | None:
-    """The largest finite value of the evaluations so far (a running maximum), or None."""
-    finite = [v for v in values or [] if math.isfinite(v)]
-    return max(finite) if finite else None
+def _signals(points: list[MetricPoint]) -> tuple[float, float]:
+    """The largest attn_logit_max over layers and heads and |output_log_z| of one
+    evaluation, as `_signal` gives them."""
+    logits = [p.value for p in points if p.name == "attn_logit_max"]
+    log_z = [abs(p.value) for p in points if p.name == "output_log_z"]
+    return _signal(logits), _signal(log_z)
+
+
+def _running_max(values: list[float]) -> float | None:
+    """The largest signal of the evaluations so far (a running maximum; +inf once one was
+    not finite), or None when none was measured (NaN: not measured)."""
+    measured = [v for v in values if not math.isnan(v)]
+    return max(measured) if measured else None
 
 
 @dataclass(frozen=True)
@@ -243,10 +257,17 @@ def summarize(
     s.config_hash, s.code_commit = config_hash(config), code_commit()
     s.eval_steps = list(hist.steps)
     s.val_losses = [_finite(v) for v in hist.val_losses]
+    logits, log_zs = list(hist.max_attn_logits or []), list(hist.abs_output_log_zs or [])
     if hist.init_points is not None:
         init = _point_stats(hist.init_points)
         s.init_val_loss, s.init_min_norm_entropy = init.val_loss, init.min_norm_entropy
         s.init_rank_ratio, s.init_qk_eig_var = init.rank_ratio, init.qk_eig_var
+        init_logit, init_log_z = _signals(hist.init_points)
+        logits, log_zs = [init_logit, *logits], [init_log_z, *log_zs]
+    # The running maxima start at step 0 (METRICS.md 9), so they have a value even before
+    # the first training evaluation.
+    s.max_attn_logit_ever = _running_max(logits)
+    s.max_abs_output_log_z_ever = _running_max(log_zs)
     if not hist.steps:
         return s
     finite_vals = [v for v in hist.val_losses if math.isfinite(v)]
@@ -262,8 +283,6 @@ def summarize(
     s.qk_eig_mean_rank = last.qk_eig_mean_rank
     s.top1_mass, s.target_mass = last.top1_mass, last.target_mass
     s.max_attn_logit = last.max_attn_logit
-    s.max_attn_logit_ever = _running_max(hist.max_attn_logits)
-    s.max_abs_output_log_z_ever = _running_max(hist.abs_output_log_zs)
     s.entropy_collapse = (
         s.min_norm_entropy is not None and s.min_norm_entropy < config.entropy_collapse_threshold
     )
@@ -291,7 +310,9 @@ def summarize(
 def intermediate_value(summary: TrialSummary, metric: str) -> float | None:
     """What Optuna's pruner compares after an evaluation: the summary's `metric` had the
     trial stopped there (`summary` made by `summarize` at that step), as a float; None when
-    the registry gives the metric no intermediate value, or it is missing or not finite."""
+    the registry gives the metric no intermediate value, or it is missing or NaN. A running
+    maximum that overflowed is +inf (Optuna takes it; the runner tells the pruner the
+    objective's worst value, as it tells a final non-finite one)."""
     from workers.metric_names import SUMMARY_BY_NAME
 
     entry = SUMMARY_BY_NAME.get(metric)
@@ -301,4 +322,4 @@ def intermediate_value(summary: TrialSummary, metric: str) -> float | None:
     if value is None or isinstance(value, bool):
         return None
     value = float(value)
-    return value if math.isfinite(value) else None
+    return None if math.isnan(value) else value

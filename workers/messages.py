@@ -69,7 +69,8 @@ class Started:
 @dataclass(frozen=True, slots=True)
 class Report:
     """One evaluation. `value`: the trial's summary of the assignment's `objective` had it
-    stopped after this evaluation (None without an objective, at step 0, or not finite):
+    stopped after this evaluation (None without an objective, at step 0, or NaN; +inf for a
+    running maximum that overflowed, docs/metrics.md section 9):
     what the runner hands Optuna's pruner, as computed by the worker that trained it."""
 
     trial: int

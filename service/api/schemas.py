@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
 
-from service.store import Study, Trial
+from service.store import Study, Trial, jsonable
 
 __all__ = ["ErrorBody", "FieldError", "MetricOut", "Page", "StudyOut", "TrialOut"]
 
@@ -18,6 +18,14 @@ def _utc(d: datetime) -> datetime:
 
 # SQLite hands back naive datetimes; every stored time is UTC, so say so in the JSON.
 UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
+
+# In JSON an infinity is the string "inf" ("-inf") and NaN is null (service/store/nonfinite.py):
+# a float column, or a summary number such as `max_attn_logit_ever` after an overflow
+# (docs/metrics.md section 9). Plain JSON has no infinity; unmarked, it would be null.
+JsonFloat = Annotated[float, PlainSerializer(jsonable, return_type=float | str, when_used="json")]
+JsonDict = Annotated[
+    dict[str, Any], PlainSerializer(jsonable, return_type=dict[str, Any], when_used="json")
+]
 
 
 class FieldError(BaseModel):
@@ -74,18 +82,18 @@ class TrialOut(BaseModel):
     seed: int
     attempts: int
     node: str | None
-    value: float | None
-    values: list[float | None] | None
+    value: JsonFloat | None
+    values: list[JsonFloat | None] | None
     feasible: bool | None
     last_step: int
     penalty_version: int = Field(
         description="Which eigenspectrum-penalty definition trained the trial: 1 (v1) or 2 (v2);"
         " see docs/metrics.md section 4"
     )
-    final_val_loss: float | None
-    min_norm_entropy: float | None
-    final_rank_ratio: float | None
-    qk_eig_var: float | None
+    final_val_loss: JsonFloat | None
+    min_norm_entropy: JsonFloat | None
+    final_rank_ratio: JsonFloat | None
+    qk_eig_var: JsonFloat | None
     plateau_steps: int | None
     entropy_collapse: bool | None
     rank_collapse: bool | None
@@ -101,10 +109,12 @@ class TrialOut(BaseModel):
         description="When the trial's Ray task really started; null while QUEUED."
     )
     finished_at: UtcDatetime | None
-    duration_s: float | None
-    summary: dict[str, Any] | None = Field(
+    duration_s: JsonFloat | None
+    summary: JsonDict | None = Field(
         None,
         description="What the trial ended with (docs/metrics.md), on /v1/trials/{id} and /best;"
+        " an infinite number (e.g. `max_attn_logit_ever` after an overflow) is the string"
+        ' "inf" here and in every float of this body;'
         " without the per-evaluation lists `eval_steps` and `val_losses` (the `val_loss`"
         " metric series: /v1/trials/{id}/metrics?name=val_loss) and with at most the last 100"
         " `plateaus` (`plateaus_left_out` counts the others).",

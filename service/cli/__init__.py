@@ -103,7 +103,10 @@ def _client_command(args: argparse.Namespace) -> int:
                 return _write_plot(qk, args)
             if args.json:
                 trials = qk.trials(args.id, sort=args.sort, limit=args.limit)
-                print(json.dumps([t.flat() for t in trials], default=str, indent=2))
+                from service.store import jsonable  # an infinity as "inf", as the API has it
+
+                rows = [jsonable(t.flat()) for t in trials]
+                print(json.dumps(rows, default=str, indent=2))
                 return 0
             print(results_table(qk, args.id, limit=args.limit, sort=args.sort))
             return 0

@@ -22,7 +22,7 @@ from sqlalchemy import Text, cast, func, null, select
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidField
-from service.store import SUMMARY_COLUMNS, Study, Trial, TrialState
+from service.store import SUMMARY_COLUMNS, Study, Trial, TrialState, json_number
 from workers.metric_names import NUMERIC_SUMMARIES
 
 __all__ = [
@@ -152,7 +152,7 @@ def _points(
     for params_all, value, text in rows:
         y = _finite(value)
         if y is None and text is not None and text != "null":
-            y = _finite(json.loads(text))
+            y = _finite(json_number(json.loads(text)))
         params = {k: (params_all or {}).get(k) for k in dists}
         if y is not None and all(_inside(dists[k], v) for k, v in params.items()):
             points.append((params, y))

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, and_, case, func, select, text, tuple_
+from sqlalchemy import ColumnElement, Float, Row, and_, case, func, literal, select, text, tuple_
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session, defer
 from sqlalchemy.types import Text
 
 from service.errors import InvalidField
 from service.store import (
+    INF,
+    NEG_INF,
     NO_INDEX,
     OPEN_TRIAL_STATES,
     SUMMARY_COLUMNS,
@@ -40,10 +43,18 @@ __all__ = [
 
 
 def _summary_field(name: str) -> Any:
-    """A summary metric's own column, else its number in the trial's summary JSON."""
+    """A summary metric's own column, else its number in the trial's summary JSON, where an
+    infinity is the string "inf" (service/store/nonfinite.py): read as the float on both
+    databases (SQLite would cast the text to 0), so that it sorts above every number and
+    `max_attn_logit_ever<=50` leaves it out."""
     if name in SUMMARY_COLUMNS:
         return getattr(Trial, name)
-    return Trial.summary[name].as_float()
+    text_value = Trial.summary[name].as_string()
+    return case(
+        (text_value == INF, literal(math.inf, Float)),
+        (text_value == NEG_INF, literal(-math.inf, Float)),
+        else_=Trial.summary[name].as_float(),
+    )
 
 
 # Fields `where=` and `sort=` accept besides params.<path>: the trial's own numbers and

@@ -31,7 +31,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.types import Text
 
-from service.store import Trial
+from service.store import Trial, decode_numbers
 
 __all__ = [
     "MAX_PLATEAUS",
@@ -78,11 +78,12 @@ def trim(summary: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def decode_summary(text: str | None) -> dict[str, Any] | None:
-    """A `bounded_summary` column's text as the summary a read route shows (`trim`)."""
+    """A `bounded_summary` column's text as the summary a read route shows (`trim`), its
+    infinities as floats (stored as "inf": service/store/nonfinite.py)."""
     if text is None or text == "null":
         return None
     value = _loads(text)
-    return trim(value) if isinstance(value, dict) else None
+    return trim(decode_numbers(value)) if isinstance(value, dict) else None
 
 
 def bounded_summaries(session: Session, trial_ids: Sequence[int]) -> dict[int, Any]:

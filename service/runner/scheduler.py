@@ -28,6 +28,7 @@ from typing import Protocol
 from service.runner.configs import pruned_objective
 from service.runner.records import Status, TrialRecord
 from service.spec import HISTORY_FREE_SAMPLERS, StudySpec
+from service.store import objective_values
 from workers.messages import Assignment, Batch, End, Failed, HandedBack, Report, Started, Stopped
 
 __all__ = ["FLUSH_TIMEOUT_S", "Outputs", "Pool", "Scheduler", "SlotWorker", "WorkerEnd"]
@@ -306,9 +307,11 @@ class Scheduler:
             rec.received[msg.execution] = rec.received.get(msg.execution, 0) + 1
             out.reports.append((msg, rec))
             v = msg.value
-            if v is not None and math.isfinite(v) and msg.step not in rec.reported:
+            if v is not None and not math.isnan(v) and msg.step not in rec.reported:
                 rec.reported.add(msg.step)  # a replayed step is told once
-                out.values.append((rec, msg.step, v))
+                # +inf (a running maximum that overflowed): the objective's worst value, as
+                # its final tell would be (Optuna takes infinities, never NaN)
+                out.values.append((rec, msg.step, objective_values(self.spec, [v])[0]))
         for end in batch.ends:
             rec = self.ended(end)
             if rec is not None and isinstance(end, Failed):

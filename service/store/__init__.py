@@ -54,6 +54,14 @@ from service.store.models import (
     TrialState,
     utcnow,
 )
+from service.store.nonfinite import (
+    INF,
+    NEG_INF,
+    SummaryJSON,
+    decode_numbers,
+    json_number,
+    jsonable,
+)
 from service.store.optuna import (
     Outcome,
     constraint_values,
@@ -92,6 +100,12 @@ from service.store.trials import MetricRow, ResultRow, StartRow, TrialRows
 
 __all__ = [
     "EXIT_DATABASE_AWAY",
+    "INF",
+    "NEG_INF",
+    "SummaryJSON",
+    "decode_numbers",
+    "json_number",
+    "jsonable",
     "Charge",
     "CURRENT_PENALTY_VERSION",
     "NO_INDEX",

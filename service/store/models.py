@@ -28,6 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from service.store.nonfinite import SummaryJSON
 from workers.metric_names import COLUMN_SUMMARIES
 
 __all__ = [
@@ -138,7 +139,8 @@ class Trial(Base):
     value: Mapped[float | None] = mapped_column(Float, default=None)
     values: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
     feasible: Mapped[bool | None] = mapped_column(Boolean, default=None)
-    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # infinities stored as "inf" (service/store/nonfinite.py)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(SummaryJSON, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     last_step: Mapped[int] = mapped_column(Integer, default=0)
     # Which definition of the eigenspectrum penalties trained this trial (1 or 2).

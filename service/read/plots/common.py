@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from service.errors import InvalidField
 from service.read.summaries import trials_with_bounded_summaries
-from service.store import SUMMARY_COLUMNS, Study, Trial, TrialState
+from service.store import SUMMARY_COLUMNS, Study, Trial, TrialState, json_number
 from workers.metric_names import FLAG_SUMMARIES, NUMERIC_SUMMARIES, series_by_index
 
 if TYPE_CHECKING:
@@ -276,7 +276,7 @@ def trial_rows(
         q = q.where(Trial.state.in_(states))
 
     def decode(v: str | None) -> Any:
-        return None if v is None or v == "null" else _loads(v)
+        return None if v is None or v == "null" else json_number(_loads(v))
 
     names, k, j = list(cols), len(cols), len(cols) + len(text_cols)
     out = []

@@ -7,6 +7,7 @@ every service test (tests/service/test_slots.py, test_node_loss.py, ...).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import optuna
@@ -18,7 +19,7 @@ from service.runner.scheduler import Scheduler
 from service.spec import StudySpec
 from tests.workers.helpers import TINY
 from workers.config import TrialConfig, TrialSummary
-from workers.messages import Assignment, Failed, HandedBack, Started, Stopped
+from workers.messages import Assignment, Batch, Failed, HandedBack, Report, Started, Stopped
 
 
 class Recording:
@@ -272,3 +273,27 @@ def test_a_relaunched_runner_ramps_from_the_results_the_study_has() -> None:
     assert Scheduler(spec, 3, Recording(), known=0).depth() == 1
     assert Scheduler(spec, 3, Recording(), known=5).depth() == 3
     assert Scheduler(spec, 3, Recording(), known=50).depth() == 26  # a worker: min(capacity, depth)
+
+
+@pytest.mark.parametrize(("direction", "told"), [("minimize", math.inf), ("maximize", -math.inf)])
+def test_an_infinite_intermediate_value_is_told_as_the_objectives_worst(
+    direction: str, told: float
+) -> None:
+    """A pruned objective that is a running maximum can be +inf after an overflow
+    (docs/metrics.md section 9): the pruner is told the objective's worst value, as the final
+    tell would be; a NaN is not told (Optuna refuses it). Before, every non-finite value was
+    dropped, so the pruner never heard of the overflow."""
+    sched, _, study = _scheduler(
+        objectives=[{"metric": "max_attn_logit_ever", "direction": direction}],
+        pruner={"kind": "median"},
+    )
+    rec = _record(study)
+    sched.add(rec)
+    sched.schedule()
+    reports = [
+        Report(rec.number, "e", 5, [], 3.0),
+        Report(rec.number, "e", 10, [], math.inf),
+        Report(rec.number, "e", 15, [], math.nan),
+    ]
+    out = sched.postprocess(Batch(reports=reports), [])
+    assert [(step, v) for _, step, v in out.values] == [(5, 3.0), (10, told)]
