@@ -341,6 +341,23 @@ LADDER_ARMS = {
 }
 
 
+def _without_name(definition: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in definition.items() if k not in ("name", "description")}
+
+
+def _arm_of(control: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """The control's definition (without name and description) with an arm's base fields
+    set: `over` maps a base key to a value, or to a dict merged into that section."""
+    want = _without_name(control)
+    want["base"] = {**want["base"], "model": {**want["base"]["model"]}}
+    for k, v in over.items():
+        if isinstance(v, dict):
+            want["base"][k] = {**want["base"][k], **v}
+        else:
+            want["base"][k] = v
+    return want
+
+
 def test_stability_boundary_arms_differ_only_in_the_arm() -> None:
     """The three CPU ladders of reproductions.md section 8: widths 32..256 with the width rule,
     3 seeds, a grid reaching lr 10, and nothing but the arm's field (and name) differs."""
@@ -356,15 +373,7 @@ def test_stability_boundary_arms_differ_only_in_the_arm() -> None:
         assert spec.stability is not None and spec.stability.bisect_factor == pytest.approx(
             math.sqrt(2)
         )
-        d = {k: v for k, v in raw[arm].items() if k not in ("name", "description")}
-        want = {k: v for k, v in raw["none"].items() if k not in ("name", "description")}
-        want["base"] = {**want["base"], "model": {**want["base"]["model"]}}
-        for k, v in over.items():
-            if isinstance(v, dict):
-                want["base"][k].update(v)
-            else:
-                want["base"][k] = v
-        assert d == want, arm
+        assert _without_name(raw[arm]) == _arm_of(raw["none"], over), arm
     gpu = _spec("gpu_stability_boundary.yaml")
     assert gpu.base.device == "cuda" and max(gpu.search_space["model.d_model"].grid) >= 1024
     assert gpu.stability is not None and gpu.base.model.head_dim == 64
@@ -389,15 +398,7 @@ def test_instability_v5_arms_differ_only_in_the_arm() -> None:
         assert spec.base.optim.min_lr == pytest.approx(1e-5) and spec.base.eval_at_init
         assert spec.search_space["optim.lr"].grid[-1] == 10.0
         assert spec.search_space["seed"].grid == [500, 501, 502, 503, 504]
-        d = {k: v for k, v in raw[arm].items() if k not in ("name", "description")}
-        want = {k: v for k, v in raw["none"].items() if k not in ("name", "description")}
-        want["base"] = {**want["base"], "model": {**want["base"]["model"]}}
-        for k, v in over.items():
-            if isinstance(v, dict):
-                want["base"][k].update(v)
-            else:
-                want["base"][k] = v
-        assert d == want, arm
+        assert _without_name(raw[arm]) == _arm_of(raw["none"], over), arm
 
 
 def test_bao_fairseq_rerun_differs_only_in_the_init() -> None:

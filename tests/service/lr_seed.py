@@ -112,6 +112,17 @@ def _parse(body: dict[str, Any]) -> Any:
     return parse_spec(json.dumps(body).encode(), "json")
 
 
+def write_grid(store: Store, sid: int) -> int:
+    """Every (qk_norm, seed, lr) trial of the grid, finished; the number of trials."""
+    n = 0
+    for norm in NORMS:
+        for seed in SEEDS:
+            for eta in E2E_GRID:
+                write_trial(store, sid, n, norm, seed, eta, "COMPLETE")
+                n += 1
+    return n
+
+
 def seed_lr_study(engine: Engine, name: str = "lr-sens") -> int:
     """An lr x qk_norm x seed grid study written through the store (every trial finished),
     plus seed 3 of "none": lr 1e-4 finished, 1e-3 still running, 1e-2 pruned, the rest not
@@ -119,12 +130,7 @@ def seed_lr_study(engine: Engine, name: str = "lr-sens") -> int:
     store = Store(make_sessionmaker(engine))
     study, _ = store.studies.create(_parse(lr_spec(name)))
     sid = int(study.id)
-    n = 0
-    for norm in NORMS:
-        for seed in SEEDS:
-            for eta in E2E_GRID:
-                write_trial(store, sid, n, norm, seed, eta, "COMPLETE")
-                n += 1
+    n = write_grid(store, sid)
     write_trial(store, sid, n, "none", 3, 1e-4, "COMPLETE")
     write_trial(store, sid, n + 1, "none", 3, 1e-3, None)
     write_trial(store, sid, n + 2, "none", 3, 1e-2, "PRUNED")
@@ -209,10 +215,5 @@ def seed_char_lm_study(engine: Engine, name: str, data_dir: str) -> int:
                                         "seq_len": 8}}  # fmt: skip
     store = Store(make_sessionmaker(engine))
     study, _ = store.studies.create(_parse(lr_spec(name, base=base)))
-    n = 0
-    for norm in NORMS:
-        for seed in SEEDS:
-            for eta in E2E_GRID:
-                write_trial(store, int(study.id), n, norm, seed, eta, "COMPLETE")
-                n += 1
+    write_grid(store, int(study.id))
     return int(study.id)

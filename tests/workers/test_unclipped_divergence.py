@@ -94,21 +94,26 @@ def _quickstart_sgd(dtype: str, seed: int) -> TrialConfig:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_sgd_lr10_unclipped_diverges_at_the_same_step_alone_and_fused(dtype: str) -> None:
-    """Alone and in fused groups of 1, 2 and 4 (seeds 0-3) each member is DIVERGED (a
-    non-finite loss, not a crash) at the step it diverges alone. Measured here (CPU, torch
-    2.13): float32 steps 9, 10, 10, 9; float64 13, 14, 15, 13."""
+def test_sgd_lr10_unclipped_diverges_alone_and_fused_and_is_recorded(dtype: str) -> None:
+    """Alone and in fused groups of 1, 2 and 4, every member ends DIVERGED (a non-finite loss,
+    not a crash) before its first evaluation. The step is compared only in float64: in
+    float32 a saturated softmax makes the query/key gradients rounding noise, so the step
+    depends on the kernels (here alone and fused both 9, 10, 10, 9 for seeds 0-3; on another
+    CPU they may differ, docs/study-definitions.md "Divergence, fused and alone"). Measured
+    here in float64: 13, 14."""
     seeds = [0, 1, 2, 3] if dtype == "float32" else [0, 1]
     alone = [run_trial(_quickstart_sgd(dtype, s)) for s in seeds]
     for s in alone:
         assert s.status == "diverged"
-        assert s.diverged_at_step is not None and 5 <= s.diverged_at_step <= 20
+        assert s.diverged_at_step is not None and s.diverged_at_step < 50  # first eval: 50
         assert s.final_train_loss is None  # no evaluation before the loss went non-finite
     for n in (1, 2, 4):
         if n > len(seeds):
             continue
         fused = run_trial_group([_quickstart_sgd(dtype, s) for s in seeds[:n]])
         for a, f in zip(alone, fused, strict=False):
-            assert f.status == "diverged"
-            assert f.diverged_at_step == a.diverged_at_step
-            assert f.steps_done == a.steps_done
+            assert f.status == "diverged" and f.final_train_loss is None
+            assert f.diverged_at_step is not None and f.diverged_at_step < 50
+            if dtype == "float64":
+                assert f.diverged_at_step == a.diverged_at_step
+                assert f.steps_done == a.steps_done
