@@ -521,7 +521,7 @@ def settle(serves: dict[str, Any]) -> None:
     """Before every run of every line: wait until the standby service shows a warm standby
     (the reconciler starts one once the last qkscope study ended), so that no run shares the
     cores with a standby's start, and every qkscope run POSTs to a warm, idle service."""
-    if (serve := serves.get("warm")) is not None:
+    if (serve := serves.get("warm")) is not None and serve[1] is not None:
         with httpx.Client(base_url=serve[2], timeout=60) as c:
             standby_ready(c)
     time.sleep(1.0)
@@ -558,6 +558,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write every run's trial ends here")
     p.add_argument("--calibrate", action="store_true")
     p.add_argument("--quick", action="store_true", help="2 seeds, 40 s budgets, 1/3 the steps")
+    p.add_argument(
+        "--api",
+        help="POST the qkscope lines to this running service (its data dir must hold "
+        "wikitext-2) instead of starting one; no standby is awaited (tests' smoke runs)",
+    )
     args = p.parse_args(argv)
     wl = WORKLOADS[args.workload]
     args.steps = args.steps or wl.steps
@@ -575,10 +580,12 @@ def main(argv: list[str] | None = None) -> int:
         serves: dict[str, Any] = {}
         try:
             # one running service per kind of start, up for the whole comparison
-            if any(n.startswith("qkscope") and not n.endswith("-cold") for n in names):
+            if args.api:
+                serves["warm"] = serves["cold"] = (None, None, args.api)
+            elif any(n.startswith("qkscope") and not n.endswith("-cold") for n in names):
                 (Path(tmp) / "warm").mkdir()
                 serves["warm"] = start_serve(Path(tmp) / "warm", CONCURRENCY, serve_env())
-            if any(n.startswith("qkscope") and n.endswith("-cold") for n in names):
+            if not args.api and any(n.startswith("qkscope") and n.endswith("-cold") for n in names):
                 (Path(tmp) / "cold").mkdir()
                 env = serve_env() | {"QKSCOPE_STANDBY": "0"}
                 serves["cold"] = start_serve(Path(tmp) / "cold", CONCURRENCY, env)
@@ -596,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"  seed {seed} {name}: {len(r)} trials, to target {hits}")
         finally:
             for serve in serves.values():
-                stop_serve(serve[0], serve[1])
+                if serve[1] is not None:  # started here (not --api)
+                    stop_serve(serve[0], serve[1])
     if args.json:
         args.json.write_text(
             json.dumps({"workload": wl.name, "seeds": seeds, "budget": args.budget,

@@ -7,12 +7,17 @@ import contextlib
 import os
 import secrets
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from service.control.ray_cluster import LocalRayHead
 
 # Ray fixes its auth mode once per process (C++ config, read at first use), so every Ray
 # cluster these tests start or join runs with token auth and one session token, set here
@@ -52,6 +57,9 @@ if _XDIST_WORKER:
     # two workers on two cores: a unit test's tiny matmuls gain nothing from a second
     # thread and spin-wait against the Ray studies beside them
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Ray starts its workers at nice 15 by default, below a niced unit test: the heads the
+    # tests start run their trials at 0, and the unit tests yield to them (nice 19)
+    os.environ.setdefault("RAY_worker_niceness", "0")
 # QKSCOPE_TEST_RERUNS=0 while debugging a Ray test: see its failure at once.
 _RERUNS = int(os.environ.get("QKSCOPE_TEST_RERUNS", "1"))
 _RAY_FIXTURES = {"ray_head", "shared_ray_head", "own_ray_head", "local_ray", "cluster"}
@@ -112,7 +120,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     studies (whose deadlines are real time): unit tests fill the cores' idle time, and the
     Ray chain, the run's critical path, runs about as fast as it does alone."""
     if _XDIST_WORKER:
-        _renice(0 if uses_ray(item) else 10)
+        _renice(0 if uses_ray(item) else 19)
 
 
 @pytest.hookimpl(trylast=True)
@@ -206,3 +214,61 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# ---- Ray heads ---------------------------------------------------------------------------
+
+
+def _start_head(home: Path) -> LocalRayHead:
+    from service.control.ray_cluster import LocalRayHead
+
+    head = LocalRayHead(home, gcs_port=free_port(), dashboard_port=free_port(), num_cpus=2)
+    head.start()
+    return head
+
+
+@pytest.fixture(scope="session")
+def shared_ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
+    """One real local Ray head (token auth, job server) for every test of the session that
+    does not stop, restart or kill it: starting a head costs 5-15 s on two cores."""
+    head = _start_head(tmp_path_factory.mktemp("rayhome"))
+    try:
+        yield head
+    finally:
+        head.stop()
+
+
+def stop_live_jobs(head: LocalRayHead, timeout_s: float = 60.0) -> None:
+    """Stop every job on the head that has not ended and wait until Ray says so: a study a
+    test left running must not take the next test's CPUs."""
+    from service.control.ray_cluster import JobLauncher
+
+    launcher = JobLauncher(head.dashboard_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        live = [j.submission_id for j in launcher.list_jobs() if not j.status.is_terminal()]
+        if not live:
+            return
+        for job_id in live:
+            launcher.stop(job_id)
+        time.sleep(0.5)
+    raise AssertionError(f"jobs still live on the shared Ray head after {timeout_s}s: {live}")
+
+
+@pytest.fixture
+def ray_head(shared_ray_head: LocalRayHead) -> Iterator[LocalRayHead]:
+    """The session's shared Ray head; after the test, every job it left live is stopped. A
+    test that stops or kills its head takes `own_ray_head` instead."""
+    yield shared_ray_head
+    assert shared_ray_head.alive(), "a test stopped the shared Ray head (use own_ray_head)"
+    stop_live_jobs(shared_ray_head)
+
+
+@pytest.fixture
+def own_ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
+    """A Ray head of the test's own, for a test that stops, restarts or kills it."""
+    head = _start_head(tmp_path_factory.mktemp("rayhome"))
+    try:
+        yield head
+    finally:
+        head.stop()

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,14 +52,29 @@ def test_the_training_throughput_benchmark_runs_at_smoke_size() -> None:
     assert "run_trial tok/s" in out
 
 
-@pytest.mark.cluster
-def test_time_to_target_runs_qkscope_and_optuna_at_smoke_size() -> None:
-    """The figure a user cares about: the full path (a `qkscope serve` of its own, a study
-    through REST, plain Optuna beside it) at a few seconds per framework."""
-    out = _run(
-        "bench.time_to_target",
-        *("--seeds", "1", "--budget", "6", "--steps", "30", "--only", "qkscope,optuna"),
+def test_time_to_target_runs_qkscope_and_optuna_at_smoke_size(
+    ray_head: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The figure a user cares about: a study through REST and plain Optuna beside it, at a
+    few seconds per framework. The service is the app on the suite's shared Ray head
+    (`--api`); the benchmark's own `qkscope serve` start is the path test_cli proves."""
+    from service.config import Settings
+    from tests.conftest import SHARED
+    from tests.service.conftest import live_api
+
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'ttt.db'}",
+        ray_address=ray_head.dashboard_url,
+        home=tmp_path,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        data_dir=str(SHARED / "data"),
     )
+    with live_api(settings, monkeypatch) as url:
+        out = _run(
+            "bench.time_to_target",
+            *("--seeds", "1", "--budget", "6", "--steps", "30", "--only", "qkscope,optuna"),
+            *("--api", url),
+        )
     lines = {ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("| ")}
     assert {"qkscope", "optuna"} <= lines, out
 

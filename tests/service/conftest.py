@@ -1,5 +1,5 @@
-"""Fixtures shared by the service tests: a real local Ray head (token auth, job server), and
-one app per database module with an API token, in process or served by uvicorn."""
+"""Fixtures shared by the service tests: one app per database module with an API token, in
+process or served by uvicorn (the Ray heads are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,63 +16,12 @@ from sqlalchemy import Engine
 
 from service.app import create_app
 from service.config import Settings, get_settings
-from service.control.ray_cluster import JobLauncher, LocalRayHead
+from service.control.ray_cluster import LocalRayHead
 from service.store.session import make_engine
 from tests.conftest import free_port
 
 TOKEN = "service-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def _start_head(home: Path) -> LocalRayHead:
-    head = LocalRayHead(home, gcs_port=free_port(), dashboard_port=free_port(), num_cpus=2)
-    head.start()
-    return head
-
-
-@pytest.fixture(scope="session")
-def shared_ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
-    """One real local Ray head (token auth, job server) for every test of the session that
-    does not stop, restart or kill it: starting a head costs 5-15 s on two cores."""
-    head = _start_head(tmp_path_factory.mktemp("rayhome"))
-    try:
-        yield head
-    finally:
-        head.stop()
-
-
-def stop_live_jobs(head: LocalRayHead, timeout_s: float = 60.0) -> None:
-    """Stop every job on the head that has not ended and wait until Ray says so: a study a
-    test left running must not take the next test's CPUs."""
-    launcher = JobLauncher(head.dashboard_url)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        live = [j.submission_id for j in launcher.list_jobs() if not j.status.is_terminal()]
-        if not live:
-            return
-        for job_id in live:
-            launcher.stop(job_id)
-        time.sleep(0.5)
-    raise AssertionError(f"jobs still live on the shared Ray head after {timeout_s}s: {live}")
-
-
-@pytest.fixture
-def ray_head(shared_ray_head: LocalRayHead) -> Iterator[LocalRayHead]:
-    """The session's shared Ray head; after the test, every job it left live is stopped. A
-    test that stops or kills its head takes `own_ray_head` instead."""
-    yield shared_ray_head
-    assert shared_ray_head.alive(), "a test stopped the shared Ray head (use own_ray_head)"
-    stop_live_jobs(shared_ray_head)
-
-
-@pytest.fixture
-def own_ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayHead]:
-    """A Ray head of the test's own, for a test that stops, restarts or kills it."""
-    head = _start_head(tmp_path_factory.mktemp("rayhome"))
-    try:
-        yield head
-    finally:
-        head.stop()
 
 
 @pytest.fixture(scope="module")
