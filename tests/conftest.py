@@ -57,9 +57,6 @@ if _XDIST_WORKER:
     # two workers on two cores: a unit test's tiny matmuls gain nothing from a second
     # thread and spin-wait against the Ray studies beside them
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Ray starts its workers at nice 15 by default, below a niced unit test: the heads the
-    # tests start run their trials at 0, and the unit tests yield to them (nice 19)
-    os.environ.setdefault("RAY_worker_niceness", "0")
 # QKSCOPE_TEST_RERUNS=0 while debugging a Ray test: see its failure at once.
 _RERUNS = int(os.environ.get("QKSCOPE_TEST_RERUNS", "1"))
 _RAY_FIXTURES = {"ray_head", "shared_ray_head", "own_ray_head", "local_ray", "cluster"}
@@ -117,8 +114,9 @@ def _renice(value: int) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under xdist, the worker running a unit test yields the CPU to the one running Ray
-    studies (whose deadlines are real time): unit tests fill the cores' idle time, and the
-    Ray chain, the run's critical path, runs about as fast as it does alone."""
+    studies (whose deadlines are real time): nice 19, below Ray's own workers (15, Ray's
+    default, which keeps its control plane at 0 responsive: running the trials at 0 made the
+    Ray tests slower, measured), so the unit tests fill the cores' idle time."""
     if _XDIST_WORKER:
         _renice(0 if uses_ray(item) else 19)
 
