@@ -115,8 +115,8 @@ def _renice(value: int) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under xdist, the worker running a unit test yields the CPU to the one running Ray
     studies (whose deadlines are real time): nice 19, below Ray's own workers (15, Ray's
-    default, which keeps its control plane at 0 responsive: running the trials at 0 made the
-    Ray tests slower, measured), so the unit tests fill the cores' idle time."""
+    default, which keeps its control plane at 0 responsive; with the trials at 0 the Ray
+    group took longer in the one run that tried it), so unit tests fill the idle time."""
     if _XDIST_WORKER:
         _renice(0 if uses_ray(item) else 19)
 

@@ -52,6 +52,7 @@ def test_the_training_throughput_benchmark_runs_at_smoke_size() -> None:
     assert "run_trial tok/s" in out
 
 
+@pytest.mark.cluster
 def test_time_to_target_runs_qkscope_and_optuna_at_smoke_size(
     ray_head: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
