@@ -72,8 +72,9 @@ def uses_ray(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Rerun a Ray test once (above), and group the tests for pytest-xdist (`-n 2 --dist
-    loadgroup`, the default): every test that touches Ray in one group, run by one worker
+    """Rerun a Ray test once (above), and group the tests for an opt-in pytest-xdist run
+    (`-n 2 --dist loadgroup --no-loadscope-reorder`; serial is the default, see
+    docs/development.md): every test that touches Ray in one group, run by one worker
     in turn on the session's one shared head, and placed first so that the longest chain
     starts at once; the rest module by module (each module's fixtures built once), taken
     by the other worker, and by this one once the Ray group is done."""
@@ -114,11 +115,11 @@ def _renice(value: int) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under xdist, the worker running a unit test yields the CPU to the one running Ray
-    studies (whose deadlines are real time): nice 19, below Ray's own workers (15, Ray's
-    default, which keeps its control plane at 0 responsive; with the trials at 0 the Ray
-    group took longer in the one run that tried it), so unit tests fill the idle time."""
+    studies (whose deadlines are real time): nice 10. At 19 (below Ray's own workers, 15)
+    a browser test starved past its 15 s wait in one run; with Ray's workers at 0 the Ray
+    group took longer in the one run that tried it."""
     if _XDIST_WORKER:
-        _renice(0 if uses_ray(item) else 19)
+        _renice(0 if uses_ray(item) else 10)
 
 
 @pytest.hookimpl(trylast=True)
